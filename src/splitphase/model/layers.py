@@ -1,0 +1,127 @@
+"""Building blocks of a Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Module and parameter names follow Hugging Face's Llama (`self_attn.q_proj`, `mlp.gate_proj`, ...)
+so a local HF checkpoint maps onto ours by dropping the `model.` prefix. The attention module
+exposes its projections and its output separately: the paged engine and the Dual-Flow model
+reuse the same weights with their own K/V handling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitphase.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the weight dtype (as HF Llama does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for the given positions, HF "rotate_half" layout: (..., head_dim)."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (..., head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (B, T, heads, D) by position; cos/sin broadcast as (B or 1, T, 1, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; K/V storage is the caller's business."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.q_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotated queries (B, T, H, D)."""
+        return self.rotate_q(self.q_proj(x), cos, sin)
+
+    def rotate_q(self, q_flat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Reshape projected queries (B, T, H*D) to heads, norm (Qwen3) and rotate."""
+        q = q_flat.unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values (B, T, G, D)."""
+        k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))  # (B, T, G, D)
+        v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))  # (B, T, G, D)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """SDPA over q (B, T, H, D) and k/v (B, S, G, D); returns (B, T, H*D) before o_proj."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T|S, D)
+        if self.n_kv_heads != self.n_heads:
+            # Expanding K/V to the query heads is exact GQA; `enable_gqa` needs torch >= 2.5.
+            groups = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None
+        )
+        return out.transpose(1, 2).flatten(2)  # (B, T, H*D)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_ff: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False, dtype=dtype)
+
+    def intermediate(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated hidden state u = silu(gate(x)) * up(x): (..., d_ff)."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.intermediate(x))
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean mask (q_len, kv_len) for queries that are the last q_len of kv_len positions."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos

@@ -1,0 +1,232 @@
+"""The baseline causal LM: a Llama-style decoder with explicit prefill and decode phases.
+
+`forward` is the teacher-forced pass used for training and as ground truth; `prefill` writes a
+contiguous KV cache and returns last-position logits; `decode_step` appends one token per row.
+`generate` built on them is the reference the paged engine's golden tests compare against.
+How K/V are stored is delegated to an attention context, so the paged engine runs these same
+layers over its block tables.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from splitphase.model.config import ModelConfig
+from splitphase.model.layers import Attention, RMSNorm, SwiGLU, causal_mask, rope_cos_sin
+from splitphase.model.moe import MoE
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class AttentionContext(Protocol):
+    """Where one forward pass reads and writes K/V."""
+
+    def attend(
+        self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store k, v (B, T, G, D) as needed and return attention output (B, T, H*D)."""
+        ...
+
+
+class NoCache:
+    """Plain causal self-attention over the given tokens (training, teacher forcing)."""
+
+    def attend(
+        self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return attn.attend(q, k, v, mask=None, causal=True)
+
+
+class KVCache:
+    """Contiguous per-layer K/V of shape (L, B, T_max, G, D); every row has the same length."""
+
+    def __init__(
+        self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # tokens whose K/V are stored
+        self._pending = 0  # tokens written by the pass in flight
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def begin(self, num_tokens: int) -> None:
+        """Reserve room for a pass over num_tokens new tokens."""
+        if self.length + num_tokens > self.max_len:
+            raise ValueError(
+                f"KV cache holds {self.max_len} tokens; {self.length} used, {num_tokens} more asked"
+            )
+        self._pending = num_tokens
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    def attend(
+        self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        start, end = self.length, self.length + k.shape[1]
+        self.k[layer_idx, :, start:end] = k
+        self.v[layer_idx, :, start:end] = v
+        k_all, v_all = self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]  # (B, S, G, D)
+        q_len = q.shape[1]
+        if q_len == 1:  # one new token attends to everything before it: no mask needed
+            return attn.attend(q, k_all, v_all, mask=None, causal=False)
+        if start == 0:
+            return attn.attend(q, k_all, v_all, mask=None, causal=True)
+        return attn.attend(q, k_all, v_all, mask=causal_mask(q_len, end, q.device), causal=False)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.mlp: nn.Module = (
+            MoE(cfg, dtype) if cfg.is_moe else SwiGLU(cfg.d_model, cfg.d_ff, dtype)
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        q = self.self_attn.project_q(h, cos, sin)
+        k, v = self.self_attn.project_kv(h, cos, sin)
+        x = x + self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Baseline decoder-only LM."""
+
+    has_aux_flow = False  # the engine asks a model whether it runs an auxiliary decode flow
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dtype = TORCH_DTYPES[cfg.dtype]
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype)
+        )
+        self.apply(self._init_weights)
+        # GPT-2's residual scaling keeps the residual stream's variance flat with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "mlp.down")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin shaped (B or 1, T, 1, D) for positions (B, T) or (T,)."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+        if positions.dim() == 1:
+            cos, sin = cos[None], sin[None]
+        return cos[:, :, None, :], sin[:, :, None, :]
+
+    def hidden_states(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final-normed hidden states (B, T, D) for token ids (B, T)."""
+        cos, sin = self.rope(positions)
+        x = self.embed_tokens(ids)  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output head (tied or not): (..., D) -> (..., V)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.T
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits (B, T, V) with no cache."""
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.logits(self.hidden_states(ids, positions, NoCache()))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
+
+    def _cached_pass(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.begin(ids.shape[1])
+        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=ids.device)
+        hidden = self.hidden_states(ids, positions, cache)
+        cache.commit()
+        return self.logits(hidden[:, -1])  # (B, V)
+
+    @torch.inference_mode()
+    def prefill(
+        self, ids: torch.Tensor, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Prefill phase: process prompt ids (B, N), write K/V, return last logits (B, V)."""
+        if cache is None:
+            cache = self.new_cache(ids.shape[0], self.cfg.max_seq_len)
+        return self._cached_pass(ids, cache), cache
+
+    @torch.inference_mode()
+    def decode_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Decode phase: one new token per row, ids (B,), returns logits (B, V)."""
+        return self._cached_pass(ids[:, None], cache)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[int]:
+        """Reference generation for one prompt: prefill, then one decode step per token."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        max_len = min(self.cfg.max_seq_len, len(prompt_ids) + max_new_tokens)
+        logits, cache = self.prefill(ids, self.new_cache(1, max_len))
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = sample_token(logits[0], temperature, top_k, gen)
+            out.append(token)
+            if token == eos_token_id or cache.length >= max_len:
+                break
+            logits = self.decode_step(torch.tensor([token], device=self.device), cache)
+        return out
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """Greedy when temperature is 0, else temperature / top-k sampling from logits (V,)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    scaled = logits.float().cpu() / temperature
+    if top_k > 0:
+        kth = scaled.topk(min(top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))

@@ -1,0 +1,80 @@
+"""CPU calibration: one real quick measurement, then the cache is reused (measurement faked)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from splitphase.hardware import calibrate as cal
+from splitphase.hardware.specs import HARDWARE, HardwareSpec
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPLITPHASE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _fake_spec(tag: str) -> HardwareSpec:
+    return dataclasses.replace(HARDWARE["l4"], name="cpu", source=tag)
+
+
+def _no_measuring(*args: object) -> HardwareSpec:
+    raise AssertionError("the cache should have been used")
+
+
+def test_quick_calibration_measures_and_caches(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = cal.calibrate(quick=True)
+    assert spec.name == "cpu"
+    assert spec.peak_bf16_flops_per_s > 0
+    assert spec.peak_fp32_flops_per_s is not None and spec.peak_fp32_flops_per_s > 0
+    assert spec.mem_bandwidth_bytes_per_s > 0
+    assert spec.mem_capacity_bytes > 0
+    assert spec.peak_fp8_flops_per_s is None
+    assert spec.price_usd_per_hour == cal.DEFAULT_CPU_PRICE_USD_PER_HOUR
+    files = list(cache.glob("calibration-*-quick.json"))
+    assert len(files) == 1
+    monkeypatch.setattr(cal, "_measure", _no_measuring)
+    assert cal.calibrate(quick=True) == spec
+
+
+def test_refresh_remeasures(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec("first"))
+    assert cal.calibrate(quick=True).source == "first"
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec("second"))
+    assert cal.calibrate(quick=True).source == "first"  # cached
+    assert cal.calibrate(quick=True, refresh=True).source == "second"
+    assert cal.calibrate(quick=True).source == "second"
+
+
+def test_quick_accepts_a_full_calibration_but_not_vice_versa(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec(f"quick={quick}"))
+    assert cal.calibrate(quick=True).source == "quick=True"
+    assert cal.calibrate(quick=False).source == "quick=False"  # a quick cache is not enough
+    assert cal.calibrate(quick=True).source == "quick=False"  # the better result wins
+
+
+def test_corrupt_cache_is_a_miss_and_price_is_the_callers(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec("fresh"))
+    cal.calibrate(quick=True)
+    (path,) = cache.glob("calibration-*.json")
+    path.write_text("{not json")
+    assert cal.calibrate(quick=True).source == "fresh"
+    monkeypatch.setattr(cal, "_measure", _no_measuring)
+    assert cal.calibrate(quick=True, price_usd_per_hour=0.5).price_usd_per_hour == 0.5
+
+
+def test_cache_key_separates_threads_and_versions(cache: Path) -> None:
+    key = cal._cache_key()
+    assert key["cpu"] == cal.cpu_model_name()
+    other = {**key, "threads": key["threads"] + 1}
+    assert cal._cache_path(key, True) != cal._cache_path(other, True)
+    assert cal._cache_path(key, True).parent == cache

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from splitphase.model.config import ModelConfig
+from splitphase.model.transformer import Transformer
+
+
+@pytest.fixture(params=["tiny", "tiny-moe"])
+def model(request):
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.from_name(request.param)).eval()
+
+
+def test_forward_shape(model):
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    assert model(ids).shape == (2, 9, model.cfg.vocab_size)
+
+
+def test_prefill_then_decode_equals_full_forward(model):
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    full = model(ids)
+    logits, cache = model.prefill(ids[:, :5])
+    steps = [logits]
+    for t in range(5, 16):
+        steps.append(model.decode_step(ids[:, t], cache))
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], atol=1e-5, rtol=1e-5)
+    assert cache.length == 16
+
+
+def test_chunked_prefill_equals_one_prefill(model):
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 12))
+    one, _ = model.prefill(ids)
+    cache = model.new_cache(1, 32)
+    model.prefill(ids[:, :7], cache)
+    two, _ = model.prefill(ids[:, 7:], cache)
+    torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_overflow_is_a_clear_error(model):
+    cache = model.new_cache(1, 4)
+    with pytest.raises(ValueError, match="KV cache holds 4 tokens"):
+        model.prefill(torch.zeros(1, 5, dtype=torch.long), cache)
+
+
+def test_generate_greedy_is_argmax_of_full_forward(model):
+    prompt = [1, 2, 3, 4]
+    out = model.generate(prompt, max_new_tokens=6)
+    seq = list(prompt)
+    for _ in range(6):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(prompt) :]
+
+
+def test_generate_seeded_sampling_is_reproducible(model):
+    a = model.generate([5, 6], max_new_tokens=8, temperature=1.0, seed=3)
+    b = model.generate([5, 6], max_new_tokens=8, temperature=1.0, seed=3)
+    assert a == b and len(a) == 8
+
+
+def test_generate_stops_at_eos(model):
+    first = model.generate([1, 2], max_new_tokens=1)[0]
+    assert model.generate([1, 2], max_new_tokens=10, eos_token_id=first) == [first]
+
+
+def test_bf16_model_runs():
+    cfg = ModelConfig.from_name("tiny").with_(dtype="bfloat16")
+    m = Transformer(cfg).eval()
+    logits, _ = m.prefill(torch.randint(0, cfg.vocab_size, (1, 6)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_prefill_decode_match_cpu():
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny")
+    cpu = Transformer(cfg).eval()
+    gpu = Transformer(cfg).eval()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.to("cuda")
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    ref, _ = cpu.prefill(ids)
+    got, _ = gpu.prefill(ids.cuda())
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
