@@ -1,0 +1,1 @@
+"""Pretraining and evaluation."""
