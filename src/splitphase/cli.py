@@ -13,9 +13,35 @@ Handler = Callable[[argparse.Namespace], None]
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from splitphase.commands.generate import demo
+    from splitphase.commands.audit import demo
 
     demo()
+
+
+def _audit(args: argparse.Namespace) -> None:
+    from splitphase.commands.audit import AuditOptions, audit
+
+    audit(
+        AuditOptions(
+            target=args.target,
+            out=args.out,
+            hardware=args.hardware,
+            price_per_hour=args.price_per_hour,
+            workload=args.workload,
+            model_config=args.model_config,
+            quick=args.quick,
+            requests_per_day=args.requests_per_day,
+            bill_prompt_tokens=args.bill_prompt_tokens,
+            bill_output_tokens=args.bill_output_tokens,
+            progress=not args.no_progress,
+        )
+    )
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from splitphase.commands.audit import compare
+
+    compare(args.targets, args.model_config, args.quick, args.out, not args.no_progress)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -30,7 +56,9 @@ def _generate(args: argparse.Namespace) -> None:
             raise UserError(f"cannot read --prompts-file: {exc}") from exc
     if not prompts:
         raise UserError("give --prompt TEXT or --prompts-file FILE")
-    generate(args.model, prompts, args.max_tokens, args.temperature, args.seed, args.json)
+    generate(
+        args.model, prompts, args.max_tokens, args.temperature, args.seed, args.json, args.policy
+    )
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -66,12 +94,39 @@ def _data(args: argparse.Namespace) -> None:
     prepare_default(args.out)
 
 
+def _add_audit(sub: argparse._SubParsersAction) -> None:
+    au = sub.add_parser("audit", help="profile a target per phase; utilization, fixes, cost")
+    au.add_argument("--target", required=True, help="builtin[:MODEL] | hf:PATH | openai:URL")
+    au.add_argument("--out", required=True, help="report directory (report.html/.json/.md)")
+    au.add_argument("--hardware", help="hardware table name or cpu (default: cpu in-process)")
+    au.add_argument("--price-per-hour", type=float, help="$/hour (default: the table's price)")
+    au.add_argument("--workload", help="JSONL of prompt_tokens/output_tokens (or Mooncake)")
+    au.add_argument("--model-config", help="preset name or config.json (required for openai:)")
+    au.add_argument("--quick", action="store_true", help="reduced probe (under a minute)")
+    au.add_argument("--requests-per-day", type=float, default=100_000.0, help="for the bill")
+    au.add_argument("--bill-prompt-tokens", type=float, help="prompt tokens per billed request")
+    au.add_argument("--bill-output-tokens", type=float, help="output tokens per billed request")
+    au.add_argument("--no-progress", action="store_true", help="no progress bars")
+    au.set_defaults(func=_audit)
+
+    cmp = sub.add_parser("compare", help="the same probe on several targets, phase by phase")
+    cmp.add_argument("targets", nargs="+", help="openai:URL (or any target spec), two or more")
+    cmp.add_argument("--model-config", help="preset name or config.json")
+    cmp.add_argument("--quick", action="store_true")
+    cmp.add_argument("--out", help="also write compare.html/.json/.md here")
+    cmp.add_argument("--no-progress", action="store_true")
+    cmp.set_defaults(func=_compare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used by the docs and the tests)."""
     parser = argparse.ArgumentParser(prog="splitphase", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("demo", help="run the main job on the embedded model").set_defaults(func=_demo)
+    sub.add_parser(
+        "demo", help="audit the embedded model on this CPU; report in ./splitphase-report"
+    ).set_defaults(func=_demo)
+    _add_audit(sub)
 
     gen = sub.add_parser("generate", help="generate text and print per-phase timing")
     gen.add_argument("--model", default="small", help="embedded model name or checkpoint dir")
@@ -80,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--policy", default="chunked", choices=["mixed", "chunked", "disaggregated"],
+        help="batching policy of the engine",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
 

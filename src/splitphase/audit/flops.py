@@ -115,12 +115,16 @@ def _norm_params_per_layer(cfg: ModelConfig) -> int:
 
 
 def coupling_param_count(cfg: ModelConfig) -> int:
-    """Dual-Flow coupling vectors a[H*d], b[F], c[D] per layer, as the coupling mode uses them."""
+    """Dual-Flow coupling vectors a[H*d], b[F], c[D] per layer, as the coupling mode uses them.
+
+    For MoE, b couples the shared experts' intermediate (S * d_expert wide; absent without
+    shared experts): routed intermediates differ per chosen expert and cannot be matched.
+    """
     if not cfg.is_dual_flow or cfg.coupling == "none":
         return 0
     per_layer = cfg.q_dim + cfg.d_model  # a and c
     if cfg.coupling == "abc":
-        per_layer += cfg.d_ff  # b scales the MLP intermediate; F = d_ff, also for MoE configs
+        per_layer += cfg.n_shared_experts * cfg.d_expert if cfg.is_moe else cfg.d_ff
     return cfg.n_layers * per_layer
 
 

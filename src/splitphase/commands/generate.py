@@ -1,113 +1,77 @@
-"""`splitphase generate` and `splitphase demo`: text from a model, timed per phase."""
+"""`splitphase generate`: a batch of prompts through the engine, timed per phase."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from typing import Any
 
-import torch
-
+from splitphase.engine.llm import LLM, Completion
+from splitphase.engine.llm_engine import StepRecord
+from splitphase.engine.sampling_params import SamplingParams, SamplingParamsError
 from splitphase.errors import UserError
-from splitphase.model.checkpoint import load_model, resolve_model_dir
-from splitphase.model.tokenizer import Tokenizer
-from splitphase.model.transformer import Transformer, sample_token
-
-DEFAULT_MODEL = "small"
-DEMO_PROMPTS = ("In the beginning God created", "ROMEO. But soft, what light")
 
 
-@dataclass(frozen=True)
-class Generation:
-    """One completion with the time spent in each phase."""
-
-    prompt: str
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        steps = len(self.token_ids) - 1  # the first token comes out of prefill
-        return steps / self.decode_s if self.decode_s > 0 and steps > 0 else 0.0
-
-
-def load_tokenizer(name_or_path: str) -> Tokenizer:
-    """The model directory's own tokenizer.json, else the shipped one."""
-    path = resolve_model_dir(name_or_path) / "tokenizer.json"
-    return Tokenizer.from_file(path) if path.exists() else Tokenizer.default()
-
-
-def _check_args(max_tokens: int, temperature: float) -> None:
+def _params(max_tokens: int, temperature: float, seed: int | None) -> SamplingParams:
     if max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if not temperature >= 0:
-        raise UserError(f"--temperature must be >= 0, got {temperature}")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    except SamplingParamsError as exc:
+        raise UserError(str(exc)) from exc
 
 
-@torch.inference_mode()
-def timed_generate(
-    model: Transformer,
-    tok: Tokenizer,
-    prompt: str,
-    max_tokens: int,
-    temperature: float,
-    seed: int | None,
-) -> Generation:
-    """Prefill once, then decode token by token, timing each phase separately."""
-    _check_args(max_tokens, temperature)
-    ids = tok.encode(prompt, add_bos=True)
-    if len(ids) + max_tokens > model.cfg.max_seq_len:
-        raise UserError(
-            f"prompt ({len(ids)} tokens) + max tokens ({max_tokens}) exceeds the model's context "
-            f"of {model.cfg.max_seq_len} tokens"
-        )
-    gen = torch.Generator().manual_seed(0 if seed is None else seed)
-    cache = model.new_cache(1, len(ids) + max_tokens)
-    t0 = time.perf_counter()
-    logits, _ = model.prefill(torch.tensor([ids], device=model.device), cache)
-    out = [sample_token(logits[0], temperature, 0, gen)]
-    t1 = time.perf_counter()
-    while len(out) < max_tokens and out[-1] != tok.eos_token_id:
-        logits = model.decode_step(torch.tensor([out[-1]], device=model.device), cache)
-        out.append(sample_token(logits[0], temperature, 0, gen))
-    t2 = time.perf_counter()
-    return Generation(prompt, tok.decode(out), out, len(ids), t1 - t0, t2 - t1)
+def summarize(steps: list[StepRecord], completions: list[Completion], wall_s: float) -> dict[str, Any]:
+    """Per-phase totals of a run: steps, tokens, time, tokens/s."""
+    phases: dict[str, dict[str, float]] = {}
+    for s in steps:
+        p = phases.setdefault(s.phase, {"steps": 0, "wall_s": 0.0, "prefill_tokens": 0,
+                                        "decode_tokens": 0})
+        p["steps"] += 1
+        p["wall_s"] += s.wall_s
+        p["prefill_tokens"] += s.num_prefill_tokens
+        p["decode_tokens"] += s.num_decode_seqs
+    prefill_s = sum(p["wall_s"] for k, p in phases.items() if k in ("prefill", "mixed"))
+    decode_s = phases.get("decode", {}).get("wall_s", 0.0)
+    prompt_tokens = sum(s.num_prefill_tokens for s in steps)
+    decode_tokens = phases.get("decode", {}).get("decode_tokens", 0)
+    output_tokens = sum(len(c.token_ids) for c in completions)
+    return {
+        "requests": len(completions), "wall_s": wall_s, "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else 0.0,
+        "prefill_tokens_per_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+        "phases": phases,
+    }
 
 
 def generate(
-    model_name: str,
-    prompts: list[str],
-    max_tokens: int,
-    temperature: float,
-    seed: int | None,
-    as_json: bool,
+    model_name: str, prompts: list[str], max_tokens: int, temperature: float, seed: int | None,
+    as_json: bool, policy: str = "chunked",
 ) -> None:
     """Print completions and per-phase timing (or one JSON object)."""
-    _check_args(max_tokens, temperature)
-    model, tok = load_model(model_name), load_tokenizer(model_name)
-    gens = [timed_generate(model, tok, p, max_tokens, temperature, seed) for p in prompts]
+    params = _params(max_tokens, temperature, seed)
+    llm = LLM(model_name, policy=policy)
+    t0 = time.perf_counter()
+    completions = llm.generate(prompts, params)
+    summary = summarize(llm.steps, completions, time.perf_counter() - t0)
     if as_json:
-        print(json.dumps({"outputs": [asdict(g) for g in gens]}))
+        outputs = [{"prompt": c.prompt, "text": c.text, "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "timings": {k: v for k, v in asdict(c.timings).items() if k != "inter_token_s"}}
+                   for c in completions]
+        print(json.dumps({"outputs": outputs, "summary": summary}))
         return
-    for g in gens:
-        print(f"{g.prompt}\033[1m{g.text}\033[0m")
-        print(
-            f"  prefill: {g.prompt_tokens} tokens in {g.prefill_s * 1e3:.1f} ms "
-            f"({g.prefill_tokens_per_s:,.0f} tok/s) | decode: {len(g.token_ids)} tokens in "
-            f"{g.decode_s * 1e3:.1f} ms ({g.decode_tokens_per_s:,.1f} tok/s)\n"
-        )
+    for c in completions:
+        t = c.timings
+        print(f"{c.prompt}\033[1m{c.text}\033[0m")
+        print(f"  [{c.finish_reason}] queue {_ms(t.queue_s)}  prefill {_ms(t.prefill_s)}  "
+              f"TTFT {_ms(t.ttft_s)}  decode {_ms(t.decode_s)}  TPOT {_ms(t.tpot_s)}\n")
+    print(f"policy {policy}: {summary['requests']} requests, {summary['output_tokens']} tokens in "
+          f"{summary['wall_s']:.2f} s | prefill {summary['prefill_tokens_per_s']:,.0f} tok/s | "
+          f"decode {summary['decode_tokens_per_s']:,.1f} tok/s")
 
 
-def demo() -> None:
-    """Until the audit lands: generate from the embedded model and show per-phase speed."""
-    print(f"splitphase demo: embedded model {DEFAULT_MODEL!r}, greedy, CPU\n")
-    generate(
-        DEFAULT_MODEL, list(DEMO_PROMPTS), max_tokens=48, temperature=0.0, seed=0, as_json=False
-    )
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"

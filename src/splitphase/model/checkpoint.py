@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from splitphase.errors import UserError
 from splitphase.model.config import ConfigError, ModelConfig
+from splitphase.model.dual_flow import DualFlowTransformer
 from splitphase.model.transformer import TORCH_DTYPES, Transformer
 
 CONFIG_FILE = "config.json"
@@ -155,7 +156,7 @@ def load_model(
 def build_model(cfg: ModelConfig) -> Transformer:
     """An untrained model for a config: baseline or Dual-Flow."""
     if cfg.is_dual_flow:
-        raise CheckpointError("arch 'dual_flow' has no model implementation in this version")
+        return DualFlowTransformer(cfg)
     return Transformer(cfg)
 
 

@@ -10,7 +10,7 @@ layers over its block tables.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -30,6 +30,51 @@ class AttentionContext(Protocol):
     ) -> torch.Tensor:
         """Store k, v (B, T, G, D) as needed and return attention output (B, T, H*D)."""
         ...
+
+
+class AuxAttentionContext(AttentionContext, Protocol):
+    """A context that also serves the Dual-Flow auxiliary query, read-only (nothing is stored)."""
+
+    def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
+        """q (B, Tq, H, D) for the last Tq positions of this pass attends to the K/V already
+        stored for the same rows up to and including each position; returns (B, Tq, H*D).
+        Call it after `attend` for the same layer in the same pass."""
+        ...
+
+
+@runtime_checkable
+class AuxSelfKVContext(AuxAttentionContext, Protocol):
+    """Also serves the `aux_self_kv` variant: the aux query sees one uncached key of its own."""
+
+    def attend_cached_self_kv(
+        self,
+        layer_idx: int,
+        attn: Attention,
+        q: torch.Tensor,
+        k_self: torch.Tensor,
+        v_self: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `attend_cached`, plus query i attends k_self/v_self (B, Tq, G, D) at row i."""
+        ...
+
+
+def attend_prefix(
+    attn: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    self_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention of q (B, Tq, H, D), the last Tq of the S positions of k/v (B, S, G, D),
+    plus each query's own extra key/value from self_kv; returns (B, Tq, H*D)."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # (Tq, S)
+    if self_kv is not None:
+        k, v = torch.cat([k, self_kv[0]], 1), torch.cat([v, self_kv[1]], 1)  # (B, S+Tq, G, D)
+        if mask is not None:  # query i sees its own extra key i only
+            own = torch.eye(q_len, dtype=torch.bool, device=q.device)  # (Tq, Tq)
+            mask = torch.cat([mask, own], -1)  # (Tq, S+Tq)
+    return attn.attend(q, k, v, mask=mask, causal=False)
 
 
 class NoCache:
@@ -83,6 +128,25 @@ class KVCache:
         if start == 0:
             return attn.attend(q, k_all, v_all, mask=None, causal=True)
         return attn.attend(q, k_all, v_all, mask=causal_mask(q_len, end, q.device), causal=False)
+
+    def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
+        """Read-only attention over the stored K/V, including this pass's (see the protocol)."""
+        return attend_prefix(attn, q, *self._stored(layer_idx))
+
+    def attend_cached_self_kv(
+        self,
+        layer_idx: int,
+        attn: Attention,
+        q: torch.Tensor,
+        k_self: torch.Tensor,
+        v_self: torch.Tensor,
+    ) -> torch.Tensor:
+        """`attend_cached` plus each query's own uncached key/value."""
+        return attend_prefix(attn, q, *self._stored(layer_idx), (k_self, v_self))
+
+    def _stored(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + self._pending  # the pass in flight has written its K/V already
+        return self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]  # (B, S, G, D) each
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,76 @@
+"""Number formatting shared by the HTML and Markdown reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def seconds(x: float | None) -> str:
+    """12.3 ms, 1.20 s, 45 us."""
+    if x is None:
+        return "-"
+    if abs(x) >= 1:
+        return f"{x:.2f} s"
+    if abs(x) >= 1e-3:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} us"
+
+
+def pct(x: float | None) -> str:
+    """A fraction as a percentage: 0.31 -> 31%."""
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if x < 0.1 else f"{x:.0%}"
+
+
+def si(x: float | None, unit: str) -> str:
+    """1.2 TFLOP/s, 340 GB/s."""
+    if x is None:
+        return "-"
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def rate(x: float | None) -> str:
+    """A rate with thousands separators, decimals only when small."""
+    return "-" if x is None else (f"{x:,.0f}" if x >= 100 else f"{x:,.1f}")
+
+
+def money(x: float | None) -> str:
+    """Dollars; tiny amounts keep three significant digits."""
+    if x is None:
+        return "-"
+    return f"${x:,.2f}" if abs(x) >= 0.01 or x == 0 else f"${x:.3g}"
+
+
+def metric_value(value: float | None, unit: str) -> str:
+    """An optimization's before/after in its own unit."""
+    if unit == "s":
+        return seconds(value)
+    return "-" if value is None else f"{rate(value)} {unit}"
+
+
+def speedup(x: float | None) -> str:
+    """A ratio as 2.50x."""
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def level_rows(doc: dict[str, Any], phase: str) -> list[list[str]]:
+    """Table rows of one phase's utilization per probe point."""
+    rows = []
+    for lv in doc[phase]["levels"]:
+        rows.append([
+            lv["point"], f"{lv['batch']:.0f}", f"{lv['intensity_flop_per_byte']:.3g}",
+            lv["bound"], seconds(lv["seconds"]), si(lv["achieved_flops_per_s"], "FLOP/s"),
+            pct(lv["flops_utilization"]), pct(lv["bandwidth_utilization"]),
+            rate(lv["tokens_per_s"]), rate(lv["tokens_per_s_at_full_utilization"]),
+        ])
+    return rows
+
+
+LEVEL_HEADER = [
+    "point", "batch", "FLOP/byte", "bound", "time", "achieved", "FLOP util", "bandwidth util",
+    "tokens/s", "tokens/s at full",
+]

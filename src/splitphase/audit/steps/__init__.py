@@ -1,0 +1,63 @@
+"""The audit's five steps as pure functions of traces, model config, hardware spec and price.
+
+1. `profile` (traces)  2. `bottleneck` and 3. `utilization` (profile, config, hardware)
+4. `optimizations` (profile, utilization, config, hardware)  5. `cost` (utilization, price).
+`run_steps` chains them into one `AuditResult`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitphase.audit.steps.cost import Cost, Workload, cost
+from splitphase.audit.steps.optimizations import Optimization, optimizations
+from splitphase.audit.steps.profile import Profile, Stats, profile
+from splitphase.audit.steps.utilization import (
+    GAP_THRESHOLD,
+    Bottleneck,
+    PhaseLevel,
+    PhaseResult,
+    Utilization,
+    bottleneck,
+    utilization,
+)
+from splitphase.audit.trace import RequestTrace
+from splitphase.hardware.specs import HardwareSpec
+from splitphase.model.config import ModelConfig
+
+__all__ = [
+    "GAP_THRESHOLD", "AuditResult", "Bottleneck", "Cost", "Optimization", "PhaseLevel",
+    "PhaseResult", "Profile", "Stats", "Utilization", "Workload", "bottleneck", "cost",
+    "optimizations", "profile", "run_steps", "utilization",
+]
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """All five steps' results for one target."""
+
+    profile: Profile
+    bottleneck: dict[str, Bottleneck]
+    utilization: Utilization
+    optimizations: list[Optimization]
+    cost: Cost
+
+
+def run_steps(
+    traces: Sequence[RequestTrace],
+    cfg: ModelConfig,
+    hw: HardwareSpec,
+    price_usd_per_hour: float,
+    workload: Workload,
+) -> AuditResult:
+    """Steps 1 to 5 in order."""
+    prof = profile(traces)
+    util = utilization(prof, cfg, hw)
+    return AuditResult(
+        profile=prof,
+        bottleneck=bottleneck(prof, cfg, hw),
+        utilization=util,
+        optimizations=optimizations(prof, util, cfg, hw),
+        cost=cost(util, price_usd_per_hour, workload),
+    )

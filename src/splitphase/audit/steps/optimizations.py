@@ -1,0 +1,203 @@
+"""Step 4: phase-specific optimizations, each with its evidence.
+
+Measured where the probe allows (the black-box prefill-interference probe); projected by the
+cost model otherwise: audit.flops on a changed config, timed on the roofline at the efficiency
+the target measurably reaches (measured time = roofline time / efficiency), so a projection
+never assumes better kernels than the target already has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitphase.audit import flops as fl
+from splitphase.audit import roofline as rl
+from splitphase.audit.steps.profile import Profile
+from splitphase.audit.steps.utilization import PhaseLevel, Utilization
+from splitphase.hardware.specs import HardwareSpec
+from splitphase.model.config import ModelConfig
+
+SPIKE_THRESHOLD = 1.5  # p50 ITL during a long prefill over p50 otherwise: "prefill stalls decode"
+MAX_DECODE_BATCH = 256
+MEMORY_HEADROOM = 0.9  # share of device memory weights + KV may fill (activations, fragments)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """One recommendation: what changes, its evidence, and the metric before and after."""
+
+    name: str
+    phase: str
+    evidence: str  # "measured" | "projected"
+    applicable: bool
+    metric: str
+    unit: str
+    before: float | None
+    after: float | None
+    detail: str
+
+    @property
+    def speedup(self) -> float | None:
+        """before / after for times (lower is better), after / before for rates."""
+        if self.before is None or self.after is None or self.before <= 0 or self.after <= 0:
+            return None
+        return self.before / self.after if self.unit == "s" else self.after / self.before
+
+
+def _projected_s(cost: fl.PhaseCost, hw: HardwareSpec, dtype: str, efficiency: float) -> float:
+    return rl.roofline_time_s(cost.flops, cost.bytes, hw, dtype) / efficiency
+
+
+def _ctx(lv: PhaseLevel) -> list[int]:
+    return [max(0, round(lv.context_tokens))] * max(1, round(lv.batch))
+
+
+def interference(prof: Profile, util: Utilization) -> Optimization:
+    """Does a long prefill stall running streams? Measured when the probe ran, else projected."""
+    inter = prof.interference
+    step_s = util.decode.headline.seconds
+    if inter is not None:
+        stalls = inter.spike >= SPIKE_THRESHOLD
+        detail = (
+            f"while {inter.inject_prompt_tokens:.0f}-token prompts were prefilled, running "
+            f"streams' inter-token latency went from {inter.baseline_itl_s * 1e3:.1f} ms to "
+            f"{inter.during_prefill_itl_s * 1e3:.1f} ms (mean over p50, x{inter.spike:.2f}; worst "
+            f"{inter.max_itl_s * 1e3:.1f} ms): "
+            + ("prefill is batched with decode; chunked prefill (Sarathi-Serve) or disaggregated "
+               "prefill and decode (DistServe, Splitwise) keeps decode near its baseline"
+               if stalls else "prefill is already kept off the decode path")
+        )
+        return Optimization(
+            "isolate prefill from decode", "decode", "measured", stalls, "mean inter-token "
+            "latency during a long prefill", "s", inter.during_prefill_itl_s,
+            inter.baseline_itl_s if stalls else inter.during_prefill_itl_s, detail,
+        )
+    longest = max((lv for lv in util.prefill.levels if lv.concurrency == 1),
+                  key=lambda lv: lv.prompt_tokens, default=util.prefill.headline)
+    prefill_s = longest.seconds / max(1.0, longest.tokens / max(longest.prompt_tokens, 1))
+    stalled = prefill_s + step_s  # a mixed step runs the whole prompt, then the decode tokens
+    detail = (
+        f"projected from measured phase times (this target runs requests batch by batch, so it "
+        f"was not measured): under mixed scheduling a {longest.prompt_tokens:.0f}-token prompt "
+        f"stalls every running stream for one step of {stalled * 1e3:.1f} ms instead of "
+        f"{step_s * 1e3:.1f} ms (x{stalled / step_s:.1f}); chunked prefill bounds it to one chunk"
+    )
+    return Optimization("isolate prefill from decode", "decode", "projected", True,
+                        "worst inter-token latency while a long prompt is admitted", "s",
+                        stalled, step_s, detail)
+
+
+def larger_decode_batch(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
+    """Decode tokens/s at the largest batch that fits in memory, up to the ridge point."""
+    lv = util.decode.headline
+    context = max(1, round(lv.context_tokens))
+    weights_b = fl.param_count(cfg) * cfg.dtype_bytes
+    kv_per_seq_b = fl.kv_bytes_per_token(cfg, cfg.dtype_bytes) * (context + 1)
+    fits = int((hw.mem_capacity_bytes * MEMORY_HEADROOM - weights_b) // kv_per_seq_b)
+    batch = max(1, round(lv.batch))
+    ridge, target = util.decode.ridge_flop_per_byte, batch
+    while target < min(fits, MAX_DECODE_BATCH):
+        target *= 2  # powers of two, stopping once the step turns compute-bound
+        if fl.decode_cost(cfg, [context] * target, cfg.dtype_bytes).intensity >= ridge:
+            break
+    target = min(target, max(fits, 1), MAX_DECODE_BATCH)
+    cost = fl.decode_cost(cfg, [context] * target, cfg.dtype_bytes)
+    after = target / _projected_s(cost, hw, util.dtype, lv.utilization)
+    detail = (
+        f"batch {batch} -> {target} streams at {context} cached tokens each (memory holds "
+        f"{max(fits, 0)}): weights are read once per step for every stream, so tokens/s grow "
+        f"almost linearly while decode stays memory-bound"
+    )
+    return Optimization("larger decode batch", "decode", "projected", target > batch,
+                        "decode tokens/s (all streams)", "tokens/s", lv.tokens_per_s, after, detail)
+
+
+def moe_decode_top_k(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
+    """Per-phase MoE fan-out: decode with half the experts per token, prefill unchanged."""
+    lv = util.decode.headline
+    if not cfg.is_moe:
+        return Optimization("per-phase MoE top-k", "decode", "projected", False,
+                            "decode step time", "s", None, None, "dense model: no experts to route")
+    k = max(1, cfg.top_k // 2)
+    before = _projected_s(fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes), hw, util.dtype,
+                          lv.utilization)
+    lean = cfg.with_(top_k=k)
+    after = _projected_s(fl.decode_cost(lean, _ctx(lv), cfg.dtype_bytes), hw, util.dtype,
+                         lv.utilization)
+    detail = (
+        f"top-{cfg.top_k} -> top-{k} in decode only: fewer distinct experts read per step; "
+        "prefill keeps its fan-out (quality cost to validate; Dual-Flow MoE results suggest "
+        "spending experts where they pay)"
+    )
+    return Optimization("per-phase MoE top-k", "decode", "projected", True, "decode step time",
+                        "s", before, after, detail)
+
+
+def dual_flow_decode(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
+    """A Dual-Flow auxiliary decode flow spends idle compute: extra FLOPs, no extra KV bytes."""
+    lv = util.decode.headline
+    if cfg.is_dual_flow:
+        return Optimization("Dual-Flow decode flow", "decode", "projected", False,
+                            "decode step time", "s", None, None, "already a Dual-Flow model")
+    twin = cfg.with_(arch="dual_flow")
+    base = fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes)
+    dual = fl.decode_cost(twin, _ctx(lv), cfg.dtype_bytes)
+    before = _projected_s(base, hw, util.dtype, lv.utilization)
+    after = _projected_s(dual, hw, util.dtype, lv.utilization)
+    idle = 1 - lv.flops_utilization
+    detail = (
+        f"decode uses {lv.flops_utilization:.1%} of compute; an auxiliary flow adds "
+        f"{dual.flops / base.flops - 1:+.0%} FLOPs and {dual.bytes / base.bytes - 1:+.1%} bytes "
+        f"per step (no KV) for a step time change of {after / before - 1:+.1%}: {idle:.0%} of "
+        "compute is idle, so the extra quality per token is almost free (needs a Dual-Flow model)"
+    )
+    return Optimization("Dual-Flow decode flow", "decode", "projected", True, "decode step time",
+                        "s", before, after, detail)
+
+
+def shallower_prefill(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
+    """Prefill with half the layers (SwiftKV / SPEED style prompt KV from fewer layers)."""
+    lv = util.prefill.headline
+    n = max(1, round(lv.prompt_tokens))
+    layers = max(1, cfg.n_layers // 2)
+    full = fl.prefill_cost(cfg, n, cfg.dtype_bytes)
+    lean = fl.prefill_cost(cfg.with_(n_layers=layers), n, cfg.dtype_bytes)
+    before = _projected_s(full, hw, util.dtype, lv.utilization)
+    after = _projected_s(lean, hw, util.dtype, lv.utilization)
+    detail = (
+        f"prefill a {n}-token prompt through {layers} of {cfg.n_layers} layers: "
+        f"{lean.flops / full.flops:.0%} of the FLOPs; needs a model trained for it (SwiftKV, "
+        "SPEED, or a smaller prefill model that writes the decode model's KV)"
+    )
+    return Optimization("shallower prefill model", "prefill", "projected", cfg.n_layers > 1,
+                        "prefill time per prompt", "s", before, after, detail)
+
+
+def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
+    """Weights at 1 byte per parameter: fewer bytes per decode step (KV unchanged)."""
+    lv = util.decode.headline
+    base = fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes)
+    q_bytes = fl.decode_bytes(cfg, _ctx(lv), dtype_bytes=1, kv_dtype_bytes=cfg.dtype_bytes)
+    before = _projected_s(base, hw, util.dtype, lv.utilization)
+    after = _projected_s(fl.PhaseCost(base.flops, q_bytes), hw, util.dtype, lv.utilization)
+    detail = (
+        f"{cfg.dtype_bytes} -> 1 byte per weight (int8/fp8 weight-only): "
+        f"{q_bytes / base.bytes:.0%} of the bytes per decode step"
+    )
+    return Optimization("weight quantization", "decode", "projected", cfg.dtype_bytes > 1,
+                        "decode step time", "s", before, after, detail)
+
+
+def optimizations(
+    prof: Profile, util: Utilization, cfg: ModelConfig, hw: HardwareSpec
+) -> list[Optimization]:
+    """Step 4: every optimization, most promising (largest speedup) first."""
+    found = [
+        interference(prof, util),
+        larger_decode_batch(util, cfg, hw),
+        moe_decode_top_k(util, cfg, hw),
+        dual_flow_decode(util, cfg, hw),
+        shallower_prefill(util, cfg, hw),
+        quantized_weights(util, cfg, hw),
+    ]
+    return sorted(found, key=lambda o: (not o.applicable, -(o.speedup or 0.0)))

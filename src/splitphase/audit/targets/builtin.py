@@ -1,0 +1,129 @@
+"""`builtin[:MODEL]`: our model in-process, run by a small pluggable batch runner.
+
+Until the paged engine lands, the runner is the reference model (`Transformer.prefill` then
+`decode_step`, greedy, no early stop): requests of equal prompt and output length run batched,
+up to `concurrency` at a time, others one batch after another. There is no scheduler, so no
+queue and no prefill-decode interleaving (`concurrent_streams: False`). The engine-backed runner
+replaces `reference_runner` and nothing else: it is any `GenerateTimed` callable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from itertools import groupby
+from typing import Any
+
+import torch
+
+from splitphase.audit.targets.base import Codec, GenerateTimed, TokenizerCodec
+from splitphase.audit.trace import ProbeRequest, RequestTrace
+from splitphase.errors import UserError
+from splitphase.model.checkpoint import load_model, resolve_model_dir
+from splitphase.model.config import ModelConfig
+from splitphase.model.tokenizer import Tokenizer
+from splitphase.model.transformer import Transformer
+
+DEFAULT_MODEL = "small"
+
+
+def reference_runner(model: Transformer) -> GenerateTimed:
+    """A `GenerateTimed` over the reference model: one batched prefill, then decode steps."""
+
+    @torch.inference_mode()
+    def generate_timed(prompt_ids: list[list[int]], max_tokens: int) -> list[RequestTrace]:
+        lengths = {len(p) for p in prompt_ids}
+        if len(lengths) != 1 or max_tokens < 1:
+            raise ValueError("reference_runner batches equal-length prompts and max_tokens >= 1")
+        n = lengths.pop()
+        if n + max_tokens > model.cfg.max_seq_len:
+            raise UserError(
+                f"prompt ({n}) + output ({max_tokens}) tokens exceed the model's context of "
+                f"{model.cfg.max_seq_len}; use shorter prompts in the workload"
+            )
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)  # (B, N)
+        cache = model.new_cache(len(prompt_ids), n + max_tokens)
+        send_s = time.perf_counter()
+        logits, _ = model.prefill(ids, cache)  # (B, V)
+        tokens = logits.argmax(-1)  # (B,)
+        int(tokens[0])  # reading a value waits for the device, so the timestamp is honest
+        times = [time.perf_counter()]
+        for _ in range(max_tokens - 1):
+            tokens = model.decode_step(tokens, cache).argmax(-1)  # (B,)
+            int(tokens[0])
+            times.append(time.perf_counter())
+        return [
+            RequestTrace(n, max_tokens, send_s, times[0], list(times), times[-1])
+            for _ in prompt_ids
+        ]
+
+    return generate_timed
+
+
+def _shape(request: ProbeRequest) -> tuple[int, int]:
+    return request.prompt_tokens, request.output_tokens
+
+
+def run_batched(
+    runner: GenerateTimed, requests: Sequence[ProbeRequest], concurrency: int
+) -> list[RequestTrace]:
+    """Run consecutive requests of equal shape in batches of up to `concurrency`, in order."""
+    traces: list[RequestTrace] = []
+    for _, group_iter in groupby(requests, key=_shape):
+        group = list(group_iter)
+        for start in range(0, len(group), max(1, concurrency)):
+            batch = group[start : start + max(1, concurrency)]
+            out = runner([list(r.prompt_ids) for r in batch], batch[0].output_tokens)
+            for req, trace in zip(batch, out, strict=True):
+                trace.point, trace.concurrency, trace.role = req.point, req.concurrency, req.role
+                traces.append(trace)
+    return traces
+
+
+
+
+def model_tokenizer(name_or_path: str) -> Tokenizer:
+    """The checkpoint's own tokenizer.json, else the shipped one."""
+    path = resolve_model_dir(name_or_path) / "tokenizer.json"
+    return Tokenizer.from_file(path) if path.exists() else Tokenizer.default()
+
+
+class BuiltinTarget:
+    """Our model in-process (an embedded name or a checkpoint directory)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, runner: GenerateTimed | None = None) -> None:
+        self.model_name = model
+        self._model = load_model(model)
+        self._tok = model_tokenizer(model)
+        if self._tok.vocab_size > self._model.cfg.vocab_size:
+            raise UserError(
+                f"the tokenizer has {self._tok.vocab_size} ids but model {model!r} only "
+                f"{self._model.cfg.vocab_size}; put the model's tokenizer.json in its directory"
+            )
+        self._runner = runner or reference_runner(self._model)
+        self._runner_name = "custom" if runner else "reference (Transformer.prefill + decode_step)"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "builtin",
+            "spec": f"builtin:{self.model_name}",
+            "model": self.model_name,
+            "runner": self._runner_name,
+            "device": str(self._model.device),
+            "dtype": self._model.cfg.dtype,
+            "torch_threads": torch.get_num_threads(),
+            "concurrent_streams": False,
+            "server_metrics": False,
+        }
+
+    def model_config(self) -> ModelConfig:
+        return self._model.cfg
+
+    def codec(self) -> Codec:
+        return TokenizerCodec(self._tok)
+
+    def run(self, requests: Sequence[ProbeRequest], concurrency: int) -> list[RequestTrace]:
+        return run_batched(self._runner, requests, concurrency)
+
+    def close(self) -> None:
+        pass

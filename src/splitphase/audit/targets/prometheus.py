@@ -1,0 +1,128 @@
+"""Server-side phase times from a Prometheus `/metrics` page (vLLM, SGLang and our names).
+
+Histograms are aggregates, so the audit scrapes before and after each probe point and takes
+the per-request mean of the difference: delta(_sum) / delta(_count).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# Candidates per phase, first match wins. vLLM and ours have explicit prefill/decode histograms;
+# SGLang has queue, TTFT and inter-token latency, so its prefill is TTFT minus queue.
+PHASE_METRICS: dict[str, tuple[str, ...]] = {
+    "queue": (
+        "splitphase:request_queue_time_seconds",
+        "vllm:request_queue_time_seconds",
+        "sglang:queue_time_seconds",
+    ),
+    "prefill": ("splitphase:request_prefill_time_seconds", "vllm:request_prefill_time_seconds"),
+    "ttft": (
+        "splitphase:time_to_first_token_seconds",
+        "vllm:time_to_first_token_seconds",
+        "sglang:time_to_first_token_seconds",
+    ),
+    "decode": (  # whole decode phase per request; per token needs the generated-token counter
+        "splitphase:request_decode_time_seconds",
+        "vllm:request_decode_time_seconds",
+    ),
+    "itl": (
+        "splitphase:inter_token_latency_seconds",
+        "vllm:inter_token_latency_seconds",
+        "sglang:inter_token_latency_seconds",
+        "splitphase:time_per_output_token_seconds",
+        "vllm:time_per_output_token_seconds",
+        "sglang:time_per_output_token_seconds",
+    ),
+}
+GENERATION_TOKENS = (
+    "splitphase:generation_tokens_total",
+    "vllm:generation_tokens_total",
+    "sglang:generation_tokens_total",
+)
+
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+
+
+def _parse_small(text: str) -> dict[str, float]:
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _LINE.match(line.strip())
+        if line.startswith("#") or not match:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        samples[match.group(1)] = samples.get(match.group(1), 0.0) + value
+    return samples
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Sample name -> value summed over label sets (prometheus_client's parser when installed)."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        return _parse_small(text)
+    samples: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    continue  # buckets are not needed and carry an extra `le` label
+                samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, TypeError):
+        return _parse_small(text)  # a page prometheus_client rejects may still be readable
+    return samples
+
+
+def known_metrics(samples: dict[str, float]) -> list[str]:
+    """The phase histograms present in a scrape."""
+    names = (n for group in PHASE_METRICS.values() for n in group)
+    return [n for n in names if f"{n}_count" in samples]
+
+
+def phase_means_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-request mean seconds per phase between two scrapes; phases without data are absent."""
+    means: dict[str, float] = {}
+    for phase, names in PHASE_METRICS.items():
+        for name in names:
+            count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+            total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+            if count > 0 and math.isfinite(total) and total >= 0:
+                means[phase] = total / count
+                break
+    if "prefill" not in means and {"ttft", "queue"} <= means.keys():
+        means["prefill"] = max(0.0, means["ttft"] - means["queue"])
+    if "itl" not in means:
+        _decode_per_token(before, after, means)
+    return means
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _decode_per_token(
+    before: dict[str, float], after: dict[str, float], means: dict[str, float]
+) -> None:
+    """Mean step time from decode-phase seconds over tokens after each request's first."""
+    for name in PHASE_METRICS["decode"]:
+        requests = _delta(before, after, f"{name}_count")
+        if requests <= 0:
+            continue
+        for counter in GENERATION_TOKENS:
+            steps = _delta(before, after, counter) - requests  # the first token is prefill's
+            if steps > 0:
+                means["itl"] = _delta(before, after, f"{name}_sum") / steps
+                return
+
+
+def observations(before: dict[str, float], after: dict[str, float]) -> int:
+    """How many requests finished between two scrapes, by the first TTFT-like histogram."""
+    for names in (PHASE_METRICS["ttft"], PHASE_METRICS["prefill"]):
+        for name in names:
+            if f"{name}_count" in after:
+                return int(after[f"{name}_count"] - before.get(f"{name}_count", 0.0))
+    return 0

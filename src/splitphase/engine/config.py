@@ -1,0 +1,42 @@
+"""Engine configuration: batching policy, batch limits and the KV cache budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitphase.errors import UserError
+
+ENGINE_POLICIES = ("mixed", "chunked", "disaggregated")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine batches and how much memory its KV cache gets."""
+
+    policy: str = "chunked"
+    role: str | None = None  # "prefill" | "decode": one worker of a disaggregated pair
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None  # explicit budget; else kv_memory_fraction of free memory
+    kv_memory_fraction: float = 0.25
+    num_blocks: int | None = None  # overrides the byte budget (tests)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ENGINE_POLICIES:
+            raise UserError(f"policy must be one of {ENGINE_POLICIES}, got {self.policy!r}")
+        if (self.policy == "disaggregated") != (self.role in ("prefill", "decode")):
+            raise UserError(
+                "policy 'disaggregated' runs a prefill and a decode worker: set role to 'prefill'"
+                f" or 'decode' for each worker's engine (got policy={self.policy!r}, "
+                f"role={self.role!r}); use splitphase.engine.disagg for the pair"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise UserError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")

@@ -1,0 +1,155 @@
+"""The paged KV cache: one tensor pool of fixed-size blocks, read and written through block tables.
+
+The pool is (L, num_blocks * block_size, G, D) for K and for V: a slot is
+`block_id * block_size + offset`, the same slot mapping as vLLM. `PagedAttention` is the
+attention context of one engine step over a flattened batch (all scheduled tokens in one row):
+it writes each token's K/V into its slot, then each prefill chunk attends over its request's
+context, and all decode tokens attend together over their padded contexts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from splitphase.errors import UserError
+from splitphase.model.config import ModelConfig
+from splitphase.model.layers import Attention, causal_mask
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    """Bytes of K and V for one block across all layers."""
+    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device (CUDA: mem_get_info; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def num_blocks_for_budget(
+    cfg: ModelConfig,
+    block_size: int,
+    dtype_bytes: int,
+    kv_cache_bytes: int | None,
+    memory_fraction: float,
+    device: torch.device,
+    max_num_seqs: int,
+) -> int:
+    """How many blocks fit a byte budget, or a fraction of the device's free memory.
+
+    A fraction of free memory is capped at what max_num_seqs full-length sequences can use,
+    so a small model on a big machine does not zero gigabytes it will never touch.
+    """
+    per_block = kv_bytes_per_block(cfg, block_size, dtype_bytes)
+    if kv_cache_bytes is None:
+        if not 0 < memory_fraction <= 1:
+            raise UserError(f"KV memory fraction must be in (0, 1], got {memory_fraction}")
+        useful_bytes = max_num_seqs * -(-cfg.max_seq_len // block_size) * per_block
+        kv_cache_bytes = min(int(available_memory_bytes(device) * memory_fraction), useful_bytes)
+    num_blocks = kv_cache_bytes // per_block
+    if num_blocks < 1:
+        raise UserError(
+            f"--kv-cache-bytes {kv_cache_bytes} holds no block; one block of {block_size} tokens "
+            f"needs {per_block} bytes for this model"
+        )
+    return int(num_blocks)
+
+
+class PagedKVCache:
+    """K and V pools for every layer: (L, num_blocks * block_size, G, D)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src, dst) in every layer: a forked sequence's partial last block."""
+        bs = self.block_size
+        for src, dst in copies:
+            self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
+            self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
+
+    def slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        """Slot indices of positions [start, end) of a sequence."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """A prefill chunk inside the flattened batch: rows [row, row + num_tokens)."""
+
+    row: int
+    num_tokens: int
+    context_slots: torch.Tensor  # (context_len,) slots of positions [0, end)
+
+
+class PagedAttention:
+    """Attention context of one step: writes K/V into slots, reads through block tables."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        write_slots: torch.Tensor,
+        prefills: list[PrefillSlice],
+        decode_row: int,
+        decode_slots: torch.Tensor,
+        decode_mask: torch.Tensor,
+    ) -> None:
+        self.cache = cache
+        self.write_slots = write_slots  # (N,) one slot per token of the flattened batch
+        self.prefills = prefills
+        self.decode_row = decode_row  # decode tokens occupy rows [decode_row, N)
+        self.decode_slots = decode_slots  # (B_dec, S_max) padded context slots
+        self.decode_mask = decode_mask  # (B_dec, 1, 1, S_max) True where a slot is real
+
+    def attend(
+        self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q (1, N, H, D), k/v (1, N, G, D) -> (1, N, H*D)."""
+        self.cache.k[layer_idx].index_copy_(0, self.write_slots, k[0])
+        self.cache.v[layer_idx].index_copy_(0, self.write_slots, v[0])
+        return self.attend_cached(layer_idx, attn, q)
+
+    def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q (1, N, H, D) over K/V already in the pool (nothing written)."""
+        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        outs = []
+        for p in self.prefills:
+            qc = q[:, p.row : p.row + p.num_tokens]  # (1, T, H, D)
+            kc, vc = k_pool[p.context_slots][None], v_pool[p.context_slots][None]  # (1, S, G, D)
+            s = kc.shape[1]
+            mask = None if s == p.num_tokens else causal_mask(p.num_tokens, s, q.device)
+            outs.append(attn.attend(qc, kc, vc, mask=mask, causal=mask is None))
+        if self.decode_slots.numel():
+            qd = q[0, self.decode_row :, None]  # (B_dec, 1, H, D)
+            kd, vd = k_pool[self.decode_slots], v_pool[self.decode_slots]  # (B_dec, S_max, G, D)
+            out = attn.attend(qd, kd, vd, mask=self.decode_mask, causal=False)  # (B_dec, 1, H*D)
+            outs.append(out.transpose(0, 1))  # (1, B_dec, H*D)
+        return torch.cat(outs, dim=1)

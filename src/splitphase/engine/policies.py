@@ -1,0 +1,294 @@
+"""What runs in one step: the `SchedulerOutput` contract and the per-policy decisions (no torch).
+
+`Scheduler.schedule()` fills a `StepPlan` with one of the `plan_*` functions below and turns it
+into a `SchedulerOutput` with `build_output`. The building blocks of the plans:
+
+- `schedule_decodes`: every running request past its prefill gets one token, oldest first;
+  when a block is missing, the youngest running request is preempted by recompute (vLLM).
+- `schedule_prefill_chunks`: requests admitted earlier continue their prompt in chunks.
+- `admit_waiting`: FCFS admission of waiting requests (whole prompts or chunks).
+- `admit_prefilled`: the decode worker's admission of requests whose KV was computed elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from splitphase.engine.block_manager import BlockManager
+from splitphase.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Prompt tokens [start, start + num_tokens) of one request; the last chunk samples."""
+
+    request_id: str
+    start: int  # num_computed_tokens before this step
+    num_tokens: int
+    is_last_chunk: bool  # the chunk ends the (re)prefill: sample from its last position
+    num_samples: int  # tokens to sample from the last position: 0, 1, or n (fork for n > 1)
+    token_ids: tuple[int, ...]  # the num_tokens input ids
+    block_table: tuple[int, ...]  # covers every position of the request
+
+    @property
+    def end(self) -> int:
+        """One past the last position fed (also the attention context length)."""
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledDecode:
+    """One decode token: feed `token_id` at position context_len - 1, attend over context_len."""
+
+    request_id: str
+    context_len: int  # tokens in the context, including the one fed now
+    token_id: int
+    block_table: tuple[int, ...]
+
+    @property
+    def position(self) -> int:
+        """Position of the fed token."""
+        return self.context_len - 1
+
+
+@dataclass(frozen=True)
+class ScheduledKVLoad:
+    """Decode worker: KV of positions [start, start + num_tokens) arrives into `block_table`."""
+
+    request_id: str
+    start: int  # first position not already in this worker's prefix cache
+    num_tokens: int
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step, tagged with its phase."""
+
+    step_id: int
+    prefill: tuple[ScheduledChunk, ...]
+    decode: tuple[ScheduledDecode, ...]
+    preempted_request_ids: tuple[str, ...]
+    block_copies: tuple[tuple[int, int], ...]  # (src, dst) block ids: copy before the forward
+    kv_loads: tuple[ScheduledKVLoad, ...]  # decode role only: load before the forward
+    block_size: int
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens fed this step."""
+        return sum(c.num_tokens for c in self.prefill)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        """Sequences decoding one token this step."""
+        return len(self.decode)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return len(self.prefill) + len(self.decode)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens fed through the model this step."""
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    @property
+    def phase(self) -> str:
+        """'prefill', 'decode', 'mixed' or 'idle'."""
+        if self.prefill and self.decode:
+            return "mixed"
+        return "prefill" if self.prefill else "decode" if self.decode else "idle"
+
+
+class PolicyHost(Protocol):
+    """The scheduler state a policy reads and mutates."""
+
+    block_manager: BlockManager
+    max_num_seqs: int
+    running: list[Request]  # oldest first (arrival time, then admission order)
+    waiting: deque[Request]
+
+    def preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free the request's blocks and send it back for recompute."""
+
+    def start_running(self, request: Request) -> None:
+        """Move an admitted request into `running`, keeping age order."""
+
+
+@dataclass
+class StepPlan:
+    """A step being built: the token budget left and what has been scheduled so far."""
+
+    token_budget: int
+    chunk_cap: int | None = None  # long_prefill_token_threshold: max prompt tokens per request
+    chunks: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
+    decodes: list[Request] = field(default_factory=list)
+    kv_loads: list[tuple[Request, int]] = field(default_factory=list)  # (request, first uncached)
+    preempted: list[Request] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)
+
+    def add_chunk(self, request: Request, num_tokens: int) -> None:
+        """Schedule `num_tokens` prompt tokens of `request` from its num_computed_tokens."""
+        self.chunks.append((request, num_tokens))
+        self.scheduled.add(request.request_id)
+        self.token_budget -= num_tokens
+
+    def add_decode(self, request: Request) -> None:
+        """Schedule one decode token of `request`."""
+        self.decodes.append(request)
+        self.scheduled.add(request.request_id)
+        self.token_budget -= 1
+
+    def chunk_size(self, request: Request) -> int:
+        """Prompt tokens this request may take now: remaining, budget and chunk cap."""
+        n = min(request.prefill_len - request.num_computed_tokens, self.token_budget)
+        return n if self.chunk_cap is None else min(n, self.chunk_cap)
+
+
+def schedule_decodes(host: PolicyHost, plan: StepPlan) -> None:
+    """One token per running request past its prefill; preempt the youngest when out of blocks."""
+    bm = host.block_manager
+    for request in list(host.running):
+        if request.status is not RequestStatus.RUNNING or request.is_prefilling:
+            continue  # preempted earlier in this loop, or still in its prompt
+        if plan.token_budget < 1:
+            break  # cannot happen while max_num_batched_tokens >= max_num_seqs (validated)
+        while not bm.can_append(request, 1):
+            victim = _youngest_unscheduled(host, plan)
+            host.preempt(victim, plan)
+            if victim is request:
+                break
+        else:
+            bm.append_slots(request, 1)
+            plan.add_decode(request)
+
+
+def _youngest_unscheduled(host: PolicyHost, plan: StepPlan) -> Request:
+    # Recompute-preemption of the latest arrival, as vLLM does: the oldest request always makes
+    # progress, so the system cannot livelock.
+    for request in reversed(host.running):
+        if request.request_id not in plan.scheduled:
+            return request
+    raise AssertionError("no preemptible request; the caller itself is unscheduled")
+
+
+def schedule_prefill_chunks(host: PolicyHost, plan: StepPlan) -> None:
+    """Continue prompts admitted in earlier steps, oldest first, within the budget."""
+    for request in host.running:
+        if request.is_prefilling and request.request_id not in plan.scheduled:
+            n = plan.chunk_size(request)
+            if n <= 0:
+                break
+            plan.add_chunk(request, n)
+
+
+def admit_waiting(host: PolicyHost, plan: StepPlan, whole_prompts: bool) -> None:
+    """Admit waiting requests FCFS while blocks, seats and budget last.
+
+    Blocks for the whole prompt are allocated at admission, so a chunked prompt never stalls
+    half-way for memory. Nothing is admitted in a step that preempted (vLLM v1), which keeps a
+    just-freed request from bouncing straight back in.
+    """
+    bm = host.block_manager
+    while host.waiting and not plan.preempted and len(host.running) < host.max_num_seqs:
+        request = host.waiting[0]
+        if plan.token_budget <= 0 or not bm.can_allocate(request):
+            break  # FCFS: the head of the queue is not overtaken
+        if whole_prompts:
+            uncached = request.prefill_len - bm.num_cached_prefix_tokens(request)
+            if uncached > plan.token_budget:
+                break
+        cached = bm.allocate(request)
+        host.waiting.popleft()
+        request.num_computed_tokens = cached
+        request.num_cached_tokens = cached
+        host.start_running(request)
+        n = request.prefill_len - cached if whole_prompts else plan.chunk_size(request)
+        plan.add_chunk(request, n)
+
+
+def admit_prefilled(host: PolicyHost, plan: StepPlan) -> None:
+    """Decode worker: admit requests whose prompt KV arrives by transfer, and decode them now.
+
+    The blocks cover every token (the computed ones plus the slot of the last sampled token);
+    KV for positions [cached, num_computed_tokens) must be loaded before this step's forward.
+    """
+    bm = host.block_manager
+    while host.waiting and not plan.preempted and len(host.running) < host.max_num_seqs:
+        request = host.waiting[0]
+        if plan.token_budget < 1 or not bm.can_allocate(request):
+            break
+        cached = bm.allocate(request)
+        host.waiting.popleft()
+        request.num_cached_tokens = cached
+        host.start_running(request)
+        if cached < request.num_computed_tokens:
+            plan.kv_loads.append((request, cached))
+        plan.add_decode(request)
+
+
+def plan_mixed(host: PolicyHost, plan: StepPlan) -> None:
+    """Continuous batching without chunking: running decodes plus whole waiting prompts.
+
+    Decodes take their one token of budget first, so no running stream skips a step; whole
+    prompts fill the rest in one chunk each. Unlike vLLM v0 (prefill-only steps that pause
+    decodes), prompts and decodes share the step, so a long prompt stretches the step every
+    stream waits on: the stall this policy exists to show.
+    """
+    schedule_decodes(host, plan)
+    admit_waiting(host, plan, whole_prompts=True)
+
+
+def plan_chunked(host: PolicyHost, plan: StepPlan) -> None:
+    """Sarathi-Serve: decodes first, then prompt chunks (ongoing, then new) fill the budget."""
+    schedule_decodes(host, plan)
+    schedule_prefill_chunks(host, plan)
+    admit_waiting(host, plan, whole_prompts=False)
+
+
+def plan_prefill_worker(host: PolicyHost, plan: StepPlan) -> None:
+    """Disaggregated prefill worker: prompt chunks only; finished prompts leave by handoff."""
+    schedule_prefill_chunks(host, plan)
+    admit_waiting(host, plan, whole_prompts=False)
+
+
+def plan_decode_worker(host: PolicyHost, plan: StepPlan) -> None:
+    """Disaggregated decode worker: running decodes first, then transferred-in requests."""
+    schedule_decodes(host, plan)
+    admit_prefilled(host, plan)
+
+
+def build_output(plan: StepPlan, step_id: int, block_size: int, now_s: float,
+                 block_copies: tuple[tuple[int, int], ...]) -> SchedulerOutput:
+    """Freeze a plan into the runner's contract, snapshotting tokens and block tables."""
+    chunks = []
+    for req, n in plan.chunks:
+        req.record_scheduled(now_s)
+        start = req.num_computed_tokens
+        last = start + n == req.prefill_len
+        samples = (req.sampling_params.n if will_fork(req) else 1) if last else 0
+        chunks.append(ScheduledChunk(req.request_id, start, n, last, samples,
+                                     tuple(req.get_token_ids(start, start + n)),
+                                     tuple(req.block_table)))
+    decodes = tuple(
+        ScheduledDecode(r.request_id, r.num_tokens, r.get_token_ids(r.num_tokens - 1,
+                        r.num_tokens)[0], tuple(r.block_table))
+        for r in plan.decodes
+    )
+    loads = tuple(
+        ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, tuple(r.block_table))
+        for r, s in plan.kv_loads
+    )
+    preempted = tuple(r.request_id for r in plan.preempted)
+    return SchedulerOutput(step_id, tuple(chunks), decodes, preempted, block_copies, loads,
+                           block_size)
+
+
+def will_fork(request: Request) -> bool:
+    """True if the request's last prompt chunk samples all n of its sequences (n > 1)."""
+    # Only sample 0, on its first prefill: after a preemption it already has outputs.
+    sp = request.sampling_params
+    return sp.n > 1 and request.parent_id is None and request.num_output_tokens == 0

@@ -1,0 +1,111 @@
+"""Turn last-position logits into tokens, one row per request, honouring its SamplingParams.
+
+Each seeded request owns a torch.Generator, so its draws do not depend on what else is in the
+batch (same seed + same prompt = same output). Logprobs are the model's own distribution
+(log_softmax of the raw logits, before penalties and temperature), as OpenAI and vLLM report.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from splitphase.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """Per-sequence sampler state: its params, its generator and the tokens it produced."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    output_counts: Counter[int] = field(default_factory=Counter)
+
+    @classmethod
+    def create(cls, params: SamplingParams, fallback_seed: int) -> SamplingState:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(params.seed if params.seed is not None else fallback_seed)
+        return cls(params, gen)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A sampled token with its logprob and the top-N alternatives (when asked)."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def _apply_penalties(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    p = state.params
+    if not state.output_counts or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+        return logits
+    ids = torch.tensor(list(state.output_counts), dtype=torch.long)
+    counts = torch.tensor(list(state.output_counts.values()), dtype=logits.dtype)
+    logits = logits.clone()
+    # OpenAI's definition: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty.
+    logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+    return logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (vLLM's order)."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.numel():
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample_row(logits: torch.Tensor, state: SamplingState) -> SampledToken:
+    """Sample one token from logits (V,) for one sequence and record it in its state."""
+    p = state.params
+    raw = logits.float().cpu()
+    adjusted = _apply_penalties(raw, state)
+    if p.temperature == 0:
+        token = int(adjusted.argmax())
+    else:
+        probs = _filter(adjusted, p).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=state.generator))
+    state.output_counts[token] += 1
+    if p.logprobs is None:
+        return SampledToken(token)
+    logp = raw.log_softmax(-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if p.logprobs > 0:
+        values, ids = logp.topk(p.logprobs)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return SampledToken(token, float(logp[token]), top)
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledToken]:
+    """One token per row of logits (N, V)."""
+    return [sample_row(logits[i], s) for i, s in enumerate(states)]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, token_ids: list[int], top_n: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Logprob of each next prompt token under logits (T, V) of the positions before it."""
+    logp = logits.float().log_softmax(-1)  # (T, V)
+    targets = torch.tensor(token_ids, dtype=torch.long)
+    chosen = logp.gather(-1, targets[:, None])[:, 0].tolist()
+    out = []
+    for i, value in enumerate(chosen):
+        top: tuple[tuple[int, float], ...] = ()
+        if top_n > 0:
+            v, ids = logp[i].topk(top_n)
+            top = tuple(zip(ids.tolist(), v.tolist(), strict=True))
+        out.append((float(value), top))
+    return out

@@ -1,0 +1,144 @@
+"""`splitphase audit` and `compare` from the command line: bad input, and real quick runs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitphase.audit.fake_server import FakeOpenAIServer, FakeTiming
+from splitphase.audit.report import validate_report
+from splitphase.cli import main
+from splitphase.model.checkpoint import save_checkpoint
+from splitphase.model.config import ModelConfig
+from splitphase.model.transformer import Transformer
+
+OPENAI_ARGS = ["--hardware", "h100", "--model-config", "llama-3.2-1b", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny").with_(vocab_size=4096)
+    return save_checkpoint(Transformer(cfg), tmp_path_factory.mktemp("tiny"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fails(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unreachable_url_is_one_line_exit_2() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitphase.cli", "audit", "--target", f"openai:{url}",
+         "--out", "/tmp/unused", *OPENAI_ARGS],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot reach" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_non_openai_server(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with FakeOpenAIServer(FakeTiming(openai=False)) as url:
+        _fails(capsys, ["audit", "--target", f"openai:{url}", "--out", str(tmp_path),
+                        *OPENAI_ARGS], "not an OpenAI-compatible server")
+
+
+def test_unknown_hardware(capsys: pytest.CaptureFixture[str], tiny_ckpt: Path) -> None:
+    _fails(capsys, ["audit", "--target", f"builtin:{tiny_ckpt}", "--hardware", "tpu-v9",
+                    "--out", "/tmp/unused"], "unknown hardware 'tpu-v9'")
+
+
+def test_openai_needs_hardware_and_geometry(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeOpenAIServer() as url:
+        _fails(capsys, ["audit", "--target", f"openai:{url}", "--out", "/tmp/unused"],
+               "need --hardware")
+        _fails(capsys, ["audit", "--target", f"openai:{url}", "--hardware", "h100",
+                        "--out", "/tmp/unused"], "--model-config")
+
+
+def test_malformed_config_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    _fails(capsys, ["audit", "--target", "builtin:x", "--model-config", str(bad),
+                    "--out", str(tmp_path)], "not readable JSON")
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    _fails(capsys, ["audit", "--target", "builtin:x", "--model-config", str(bad),
+                    "--out", str(tmp_path)], "num_attention_heads")
+    _fails(capsys, ["audit", "--target", "builtin:x", "--model-config", "gpt-17",
+                    "--out", str(tmp_path)], "unknown preset 'gpt-17'")
+
+
+def test_zero_length_timings(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with FakeOpenAIServer(FakeTiming(burst=True)) as url:  # every response in one chunk
+        _fails(capsys, ["audit", "--target", f"openai:{url}", "--quick", "--out",
+                        str(tmp_path), *OPENAI_ARGS], "no inter-token gaps")
+
+
+def test_bad_workload_file(capsys: pytest.CaptureFixture[str], tiny_ckpt: Path,
+                           tmp_path: Path) -> None:
+    work = tmp_path / "w.jsonl"
+    work.write_text('{"prompt_tokens": -3, "output_tokens": 4}\n')
+    _fails(capsys, ["audit", "--target", f"builtin:{tiny_ckpt}", "--hardware", "h100",
+                    "--workload", str(work), "--out", str(tmp_path)], "w.jsonl:1")
+
+
+def test_quick_builtin_audit_writes_a_valid_report(
+    capsys: pytest.CaptureFixture[str], tiny_ckpt: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "report"
+    assert main(["audit", "--target", f"builtin:{tiny_ckpt}", "--hardware", "cpu", "--quick",
+                 "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "report.html") in printed and "decode uses" in printed.lower()
+    doc = json.loads((out / "report.json").read_text())
+    validate_report(doc)
+    assert doc["target"]["kind"] == "builtin" and doc["probe"]["quick"] is True
+    assert doc["hardware"]["name"] == "cpu"
+    assert {p["concurrency"] for p in doc["profile"]["points"]} == {1, 4}
+    assert (out / "report.md").exists() and (out / "report.html").stat().st_size > 10_000
+
+
+def test_openai_audit_with_workload_file(tmp_path: Path) -> None:
+    work = tmp_path / "mooncake.jsonl"
+    work.write_text("".join(json.dumps({"timestamp": i, "input_length": 40 * (i + 1),
+                                        "output_length": 6}) + "\n" for i in range(6)))
+    with FakeOpenAIServer() as url:
+        assert main(["audit", "--target", f"openai:{url}", "--workload", str(work),
+                     "--quick", "--price-per-hour", "2.0", "--out", str(tmp_path / "r"),
+                     *OPENAI_ARGS]) == 0
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    validate_report(doc)
+    assert doc["profile"]["source"] == "server" and doc["cost"]["price_usd_per_hour"] == 2.0
+    assert doc["probe"]["workload_file"] == str(work)
+    assert doc["profile"]["interference"] is not None  # streaming targets get the probe
+
+
+def test_compare_two_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    slow = FakeTiming(prefill_s_per_token=1e-4, itl_s=0.006)
+    fast = FakeTiming(prefill_s_per_token=2e-5, itl_s=0.003)
+    with FakeOpenAIServer(slow) as a, FakeOpenAIServer(fast) as b:
+        assert main(["compare", f"openai:{a}", f"openai:{b}", "--quick", "--no-progress",
+                     "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "prefill" in printed and "faster" in printed
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    base, other = doc["targets"]
+    assert other["prefill_tokens_per_s"] > base["prefill_tokens_per_s"]
+    assert other["decode_tokens_per_s"] > base["decode_tokens_per_s"]
+    assert 'src="data:image/png;base64,' in (tmp_path / "compare.html").read_text()

@@ -1,0 +1,114 @@
+"""report.json against its schema, the HTML's plots, and the page in headless Chromium."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from splitphase.audit.probes import ProbePlan, ProbeResult
+from splitphase.audit.report import build_report, validate_report, write_report
+from splitphase.audit.steps import Workload, run_steps
+from splitphase.audit.trace import RequestTrace
+from splitphase.errors import UserError
+from splitphase.hardware.specs import get_hardware
+from splitphase.model.config import ModelConfig
+
+CHROMIUM = "/usr/bin/chromium"
+PLOTS = ("roofline with both phases", "TTFT vs prompt length", "inter-token latency distribution",
+         "utilization per phase", "cost before and after")
+
+
+def _traces() -> list[RequestTrace]:
+    """A sequential length sweep and one batched point, with made-up but plausible times."""
+    traces, t = [], 0.0
+    for n, conc in ((128, 1), (512, 1), (2048, 1), (512, 4), (512, 4), (512, 4), (512, 4)):
+        first = t + 0.01 + 2e-5 * n * (2 if conc > 1 else 1)
+        times = [first + 0.012 * i * (1 + 0.1 * (i % 3)) for i in range(8)]
+        traces.append(RequestTrace(n, 8, t, first, times, times[-1], point=f"len={n} c={conc}",
+                                   concurrency=conc))
+        t = times[-1] + 0.1 if conc == 1 else t
+    return traces
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict:
+    cfg, hw = ModelConfig.from_name("llama-3.1-8b"), get_hardware("h100-sxm")
+    traces = _traces()
+    result = run_steps(traces, cfg, hw, hw.price_usd_per_hour, Workload(10_000, 512, 128))
+    plan = ProbePlan((128, 512, 2048), (1, 4), 8, 512, 1)
+    target = {"kind": "openai", "spec": "openai:http://x", "concurrent_streams": True}
+    report = build_report(result, target, hw, cfg, ProbeResult(plan, traces, 3.0))
+    report["_itl"] = list(result.profile.itl_samples_s)
+    return report
+
+
+def _clean(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "_itl"}
+
+
+def test_report_validates_and_has_the_headline_fields(doc: dict) -> None:
+    report = _clean(doc)
+    validate_report(report)
+    assert report["prefill"]["flops_utilization"] > 0
+    assert report["decode"]["bandwidth_utilization"] > 0
+    assert report["prefill"]["bound"] in ("compute", "memory")
+    assert report["decode"]["bound"] == "memory"
+    assert report["cost"]["usd_per_million_output_tokens"] > 0
+    for section in ("target", "hardware", "model", "profile", "optimizations"):
+        assert report[section]
+    json.dumps(report, allow_nan=False)  # strict JSON: no NaN or infinity anywhere
+
+
+def test_summary_is_written_from_the_numbers(doc: dict) -> None:
+    decode_pct = f"{doc['decode']['bandwidth_utilization']:.0%}"
+    assert any(f"decode uses {decode_pct} of memory bandwidth" in s.lower()
+               for s in doc["summary"])
+    assert any("per million" in s for s in doc["summary"])
+
+
+def test_schema_rejects_broken_reports(doc: dict) -> None:
+    broken = copy.deepcopy(_clean(doc))
+    broken["decode"]["bound"] = "network"
+    with pytest.raises(UserError, match="decode/bound"):
+        validate_report(broken)
+    del broken["cost"]
+    with pytest.raises(UserError, match="cost"):
+        validate_report(broken)
+
+
+def test_written_report_embeds_every_plot(doc: dict, tmp_path: Path) -> None:
+    out = write_report(tmp_path / "r", _clean(doc), doc["_itl"])
+    html = (out / "report.html").read_text()
+    assert html.count('src="data:image/png;base64,') == len(PLOTS)
+    for alt in PLOTS:
+        assert f'alt="{alt}"' in html
+    assert "<script" not in html and "http://" not in html.replace("openai:http://x", "")
+    md = (out / "report.md").read_text()
+    assert "## 3. Utilization" in md and "## 5. Cost" in md
+    validate_report(json.loads((out / "report.json").read_text()))
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}")
+def test_html_opens_in_headless_chromium(doc: dict, tmp_path: Path) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    out = write_report(tmp_path / "r", _clean(doc), doc["_itl"])
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page()
+            page.goto((out / "report.html").resolve().as_uri())
+            page.wait_for_load_state("load")
+            widths = page.evaluate(
+                "Array.from(document.images).map(i => i.complete ? i.naturalWidth : 0)"
+            )
+            title = page.title()
+        finally:
+            browser.close()
+    assert len(widths) == len(PLOTS) and all(w > 0 for w in widths), widths
+    assert "splitphase audit" in title
+

@@ -1,0 +1,169 @@
+"""The five audit steps on synthetic timings with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitphase.audit import flops as fl
+from splitphase.audit.steps import Workload, cost, profile, run_steps, utilization
+from splitphase.audit.steps.optimizations import (
+    dual_flow_decode,
+    moe_decode_top_k,
+    quantized_weights,
+)
+from splitphase.audit.steps.profile import percentile, union_length_s
+from splitphase.audit.trace import RequestTrace
+from splitphase.errors import UserError
+from splitphase.hardware.specs import HardwareSpec, get_hardware
+from splitphase.model.config import ModelConfig
+
+LLAMA8B = ModelConfig.from_name("llama-3.1-8b")
+# Round peaks so expected utilizations are easy to state.
+HW = HardwareSpec("test", peak_bf16_flops_per_s=1e15, mem_bandwidth_bytes_per_s=1e12,
+                  mem_capacity_bytes=80e9, price_usd_per_hour=3.6, source="synthetic")
+PREFILL_BASE_S, PREFILL_PER_TOKEN_S, ITL_S = 0.01, 1e-4, 0.02
+
+
+def _trace(prompt: int, out: int = 9, start: float = 0.0, conc: int = 1, point: str = "",
+           itl: float = ITL_S, prefill_s: float | None = None) -> RequestTrace:
+    ttft = PREFILL_BASE_S + PREFILL_PER_TOKEN_S * prompt if prefill_s is None else prefill_s
+    first = start + ttft
+    times = [first + i * itl for i in range(out)]
+    return RequestTrace(prompt, out, start, first, times, times[-1],
+                        point=point or f"len={prompt} c={conc}", concurrency=conc)
+
+
+def _sweep() -> list[RequestTrace]:
+    traces, t = [], 0.0
+    for n in (128, 512, 2048):
+        for _ in range(2):
+            traces.append(_trace(n, start=t))
+            t += 10.0  # sequential: no overlap between requests
+    return traces
+
+
+def test_percentiles_and_union() -> None:
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+    assert union_length_s([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
+
+
+def test_profile_recovers_ttft_slope_and_itl() -> None:
+    prof = profile(_sweep())
+    assert prof.ttft_slope_s_per_token == pytest.approx(PREFILL_PER_TOKEN_S)
+    assert prof.ttft_intercept_s == pytest.approx(PREFILL_BASE_S)
+    assert prof.ttft_fit_r2 == pytest.approx(1.0)
+    assert prof.itl.p50_s == pytest.approx(ITL_S)
+    assert prof.source == "client" and prof.n_errors == 0
+    assert {p.point for p in prof.points} == {"len=128 c=1", "len=512 c=1", "len=2048 c=1"}
+
+
+def test_server_side_phase_times_are_preferred() -> None:
+    t = _trace(512)
+    t.server_queue_s, t.server_prefill_s, t.server_itl_s = 0.001, 0.03, 0.015
+    prof = profile([t])
+    assert prof.source == "server"
+    assert prof.points[0].prefill.p50_s == pytest.approx(0.03)
+    assert prof.points[0].decode_step_s == pytest.approx(0.015)
+    q = _trace(512)
+    q.server_queue_s = 0.02  # no prefill histogram: TTFT minus queue
+    assert q.prefill_s() == pytest.approx(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * 512 - 0.02)
+
+
+def test_utilization_matches_hand_computation() -> None:
+    util = utilization(profile(_sweep()), LLAMA8B, HW)
+    pre = next(lv for lv in util.prefill.levels if lv.point == "len=2048 c=1")
+    ttft = PREFILL_BASE_S + PREFILL_PER_TOKEN_S * 2048
+    assert pre.flops_utilization == pytest.approx(fl.prefill_flops(LLAMA8B, 2048) / ttft / 1e15)
+    assert pre.tokens_per_s == pytest.approx(2048 / ttft)
+    dec = next(lv for lv in util.decode.levels if lv.point == "len=128 c=1")
+    # Mean cached context during decode: prompt + tokens by the middle of each gap.
+    ctx = round(dec.context_tokens)
+    assert 128 < ctx < 128 + 9
+    expected = fl.decode_bytes(LLAMA8B, [ctx], dtype_bytes=2) / ITL_S / 1e12
+    assert dec.bandwidth_utilization == pytest.approx(expected)
+    assert dec.tokens_per_s == pytest.approx(1 / ITL_S)
+    assert dec.tokens_per_s_at_full == pytest.approx(dec.tokens_per_s / dec.utilization)
+    assert util.decode.gap == (util.decode.headline.utilization < 0.5)
+
+
+def test_batched_decode_counts_every_stream() -> None:
+    batch = [_trace(512, conc=4, point="len=512 c=4") for _ in range(4)]  # in lockstep
+    util = utilization(profile(batch), LLAMA8B, HW)
+    dec = util.decode.levels[0]
+    assert dec.batch == 4 and dec.tokens_per_s == pytest.approx(4 / ITL_S)
+    ctx = round(dec.context_tokens)
+    assert dec.bytes == pytest.approx(fl.decode_bytes(LLAMA8B, [ctx] * 4))
+    pre = util.prefill.levels[0]  # four prompts prefilled in one interval
+    ttft = PREFILL_BASE_S + PREFILL_PER_TOKEN_S * 512
+    assert pre.seconds == pytest.approx(ttft)
+    assert pre.flops == pytest.approx(4 * fl.prefill_flops(LLAMA8B, 512))
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "a100-80gb", "l4", "mi300x"])
+def test_bottleneck_decode_memory_prefill_compute(gpu: str) -> None:
+    result = run_steps(_sweep(), LLAMA8B, get_hardware(gpu), 2.0, Workload(1000, 512, 64))
+    assert result.bottleneck["decode"].bound == "memory"
+    assert result.bottleneck["prefill"].bound == "compute"  # headline: the 2048-token prompts
+
+
+def test_cost_math() -> None:
+    util = utilization(profile(_sweep()), LLAMA8B, HW)
+    work = Workload(requests_per_day=1000, prompt_tokens=2048, output_tokens=100)
+    c = cost(util, 3.6, work, achievable_prefill=0.6, achievable_decode=0.8)
+    pre_tps, dec_tps = util.prefill.headline.tokens_per_s, util.decode.headline.tokens_per_s
+    assert c.now.usd_per_million_input_tokens == pytest.approx(3.6 / 3600 / pre_tps * 1e6)
+    assert c.now.usd_per_million_output_tokens == pytest.approx(3.6 / 3600 / dec_tps * 1e6)
+    busy_s = 1000 * (2048 / pre_tps + 100 / dec_tps) * 30
+    assert c.now.monthly_usd == pytest.approx(busy_s / 3600 * 3.6)
+    assert c.achievable.decode_tokens_per_s == pytest.approx(
+        max(dec_tps, util.decode.headline.tokens_per_s_at_full * 0.8))
+    assert c.monthly_savings_usd == pytest.approx(c.now.monthly_usd - c.achievable.monthly_usd)
+    assert c.monthly_savings_usd >= 0 and c.assumptions
+    with pytest.raises(UserError):
+        cost(util, -1.0, work)
+
+
+def test_zero_length_timings_are_user_errors() -> None:
+    instant = RequestTrace(64, 4, 1.0, 1.0, [1.0, 1.1, 1.2, 1.3], 1.3, point="p")
+    with pytest.raises(UserError, match="prefill time is zero"):
+        profile([instant])
+    one_chunk = RequestTrace(64, 4, 1.0, 1.2, [1.2], 1.2, point="p")
+    with pytest.raises(UserError, match="no inter-token gaps"):
+        profile([one_chunk])
+    failed = RequestTrace(64, 0, 1.0, error="HTTP 500")
+    with pytest.raises(UserError, match="every probe request failed"):
+        profile([failed])
+
+
+def test_interference_spike_is_measured() -> None:
+    streams = [_trace(32, out=60, conc=6, point="interference") for _ in range(4)]
+    for s in streams:
+        s.role = "stream"
+        # A 0.2 s stall between tokens 30 and 31, while the long prompt below is prefilled.
+        s.token_times_s = [t + (0.2 if i > 30 else 0.0) for i, t in enumerate(s.token_times_s)]
+        s.end_s = s.token_times_s[-1]
+    stall_start = streams[0].token_times_s[30]
+    inject = RequestTrace(2048, 2, stall_start, stall_start + 0.2,
+                          [stall_start + 0.2, stall_start + 0.22], stall_start + 0.22,
+                          point="interference", role="inject", concurrency=6)
+    prof = profile(_sweep() + streams + [inject])
+    assert prof.interference is not None
+    assert prof.interference.baseline_itl_s == pytest.approx(ITL_S)
+    assert prof.interference.max_itl_s == pytest.approx(0.2 + ITL_S)
+    assert prof.interference.spike > 1.5
+
+
+def test_projected_optimizations_use_the_cost_model() -> None:
+    util = utilization(profile(_sweep()), LLAMA8B, HW)
+    quant = quantized_weights(util, LLAMA8B, HW)
+    assert quant.applicable and 1.5 < (quant.speedup or 0) < 2.0  # weights halve, KV stays
+    dual = dual_flow_decode(util, LLAMA8B, HW)
+    assert dual.applicable and dual.after is not None and dual.before is not None
+    assert dual.after >= dual.before  # extra FLOPs are never free on the roofline
+    assert dual.after / dual.before < 1.05  # but almost: decode is memory-bound
+    assert not moe_decode_top_k(util, LLAMA8B, HW).applicable
+    moe = ModelConfig.from_name("qwen3-30b-a3b")
+    moe_util = utilization(profile(_sweep()), moe, HW)
+    topk = moe_decode_top_k(moe_util, moe, HW)
+    assert topk.applicable and (topk.speedup or 0) > 1.0

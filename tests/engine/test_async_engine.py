@@ -1,0 +1,84 @@
+import asyncio
+
+import pytest
+
+from splitphase.engine.async_engine import AsyncEngine, EngineStepError
+from splitphase.engine.config import EngineConfig
+from splitphase.engine.llm_engine import LLMEngine
+from splitphase.engine.sampling_params import SamplingParams
+from splitphase.errors import UserError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(tiny_model, tokenizer):
+    eng = AsyncEngine(LLMEngine(tiny_model, tokenizer, EngineConfig(num_blocks=64)))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng, prompt, rid, params=GREEDY):
+    outs = [o async for o in eng.generate(prompt, params, rid)]
+    return outs[-1]
+
+
+def test_concurrent_streams_match_reference(async_engine, tiny_model):
+    prompts = [[0, *range(5, 5 + n)] for n in (3, 12, 30)]
+
+    async def main():
+        return await asyncio.gather(
+            *[_collect(async_engine, p, f"r{i}") for i, p in enumerate(prompts)]
+        )
+
+    finals = asyncio.run(main())
+    assert [f.token_ids for f in finals] == [tiny_model.generate(p, 8) for p in prompts]
+    assert async_engine.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_bad_request_raises_to_caller(async_engine):
+    async def main():
+        await _collect(async_engine, [1] * 300, "big")
+
+    with pytest.raises(UserError, match="context length"):
+        asyncio.run(main())
+
+
+def test_caller_stopping_aborts_and_frees_blocks(async_engine):
+    async def main():
+        agen = async_engine.generate(
+            [0, 5, 6], SamplingParams(max_tokens=200, ignore_eos=True), "x"
+        )
+        await agen.__anext__()
+        await agen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if async_engine.engine.scheduler.block_manager.num_used_blocks == 0:
+                return True
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_failing_forward_errors_its_requests_then_serves_next(async_engine, monkeypatch):
+    runner = async_engine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+
+    async def main():
+        with pytest.raises(EngineStepError, match="injected"):
+            await _collect(async_engine, [0, 5, 6], "a")
+        return await _collect(async_engine, [0, 5, 6], "b")
+
+    final = asyncio.run(main())
+    assert final.finished and len(final.token_ids) == 8
+    assert async_engine.engine.scheduler.block_manager.num_used_blocks == 0

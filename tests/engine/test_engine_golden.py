@@ -1,0 +1,162 @@
+"""The paged engine's greedy tokens equal the reference model's `generate`."""
+
+import pytest
+import torch
+
+from splitphase.engine.config import EngineConfig
+from splitphase.engine.llm import LLM
+from splitphase.engine.llm_engine import LLMEngine
+from splitphase.engine.sampling_params import SamplingParams
+from splitphase.errors import UserError
+
+PROMPTS = [[0, *range(5, 5 + n)] for n in (3, 17, 40, 9, 33)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, prompts, params=GREEDY):
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.inference_mode():
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return [tiny_model.generate(p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("policy", ["mixed", "chunked"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("num_blocks", [200, 6])  # 6 blocks forces preemption by recompute
+def test_greedy_matches_reference(
+    tiny_model, tokenizer, reference, policy, prefix_caching, num_blocks
+):
+    cfg = EngineConfig(
+        policy=policy,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = LLMEngine(tiny_model, tokenizer, cfg)
+    outs = _run(engine, PROMPTS)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+    if num_blocks == 6:
+        assert any(o.request.num_preemptions > 0 for o in outs)
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    engine.scheduler.block_manager.check_invariants()
+
+
+def test_shared_prefix_reuses_blocks_and_matches(tiny_model, tokenizer):
+    prefix = list(range(10, 50))  # 40 tokens: two full blocks of 16 are shareable
+    prompts = [[0, *prefix, 7], [0, *prefix, 8, 9]]
+    engine = LLMEngine(tiny_model, tokenizer, EngineConfig(num_blocks=64))
+    first = _run(engine, prompts[:1])
+    second = _run(engine, prompts[1:])
+    assert second[0].request.num_cached_tokens == 32
+    assert first[0].token_ids == tiny_model.generate(prompts[0], 12)
+    assert second[0].token_ids == tiny_model.generate(prompts[1], 12)
+
+
+def test_steps_are_tagged_with_phase_and_cost(tiny_model, tokenizer):
+    engine = LLMEngine(
+        tiny_model,
+        tokenizer,
+        EngineConfig(policy="mixed", num_blocks=64, max_num_batched_tokens=256),
+    )
+    _run(engine, PROMPTS[:2])
+    phases = [s.phase for s in engine.steps]
+    assert phases[0] == "prefill" and phases[-1] == "decode"
+    assert all(s.flops > 0 and s.bytes > 0 and s.wall_s > 0 for s in engine.steps)
+    assert sum(s.num_prefill_tokens for s in engine.steps) == sum(len(p) for p in PROMPTS[:2])
+
+
+def test_seeded_sampling_independent_of_batch(tiny_model, tokenizer):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)
+    alone = LLM(tiny_model, tokenizer, num_blocks=64).generate([PROMPTS[1]], params)
+    other = SamplingParams(max_tokens=7, temperature=0.7, seed=3, ignore_eos=True)
+    batched = LLM(tiny_model, tokenizer, num_blocks=64).generate(
+        [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [other, params, other]
+    )
+    assert batched[1].token_ids == alone[0].token_ids
+
+
+def test_n_samples_share_prompt_and_differ(tiny_model, tokenizer):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    llm = LLM(tiny_model, tokenizer, num_blocks=64)
+    outs = llm.generate([PROMPTS[2]], params)
+    assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) > 1
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_logprobs_match_reference_log_softmax(tiny_model, tokenizer):
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+    out = LLM(tiny_model, tokenizer, num_blocks=64).generate([PROMPTS[0]], params)[0].output
+    seq = list(PROMPTS[0])
+    for tok in out.logprobs:
+        ref = tiny_model(torch.tensor([seq]))[0, -1].log_softmax(-1)
+        assert tok.logprob == pytest.approx(float(ref[tok.token_id]), abs=1e-4)
+        assert [t for t, _ in tok.top_logprobs] == ref.topk(3).indices.tolist()
+        seq.append(tok.token_id)
+
+
+def test_prompt_logprobs(tiny_model, tokenizer):
+    engine = LLMEngine(
+        tiny_model,
+        tokenizer,
+        EngineConfig(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4),
+    )
+    rid = engine.add_request(
+        PROMPTS[2], SamplingParams(max_tokens=1, temperature=0), prompt_logprobs=0
+    )
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+    assert out is not None and out.prompt_logprobs is not None
+    ref = tiny_model(torch.tensor([PROMPTS[2]]))[0].log_softmax(-1)
+    expected = [float(ref[i, PROMPTS[2][i + 1]]) for i in range(len(PROMPTS[2]) - 1)]
+    assert [lp for lp, _ in out.prompt_logprobs] == pytest.approx(expected, abs=1e-4)
+
+
+def test_stop_string_across_tokens_not_in_output(tiny_model, tokenizer):
+    base = LLM(tiny_model, tokenizer, num_blocks=64).generate(
+        [PROMPTS[3]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )[0]
+    text = base.text
+    stop = text[3:7]  # a stop string that very likely spans a token boundary
+    out = LLM(tiny_model, tokenizer, num_blocks=64).generate(
+        [PROMPTS[3]], SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True)
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+
+
+def test_abort_mid_decode_frees_blocks(tiny_model, tokenizer):
+    engine = LLMEngine(tiny_model, tokenizer, EngineConfig(num_blocks=64))
+    rid = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.block_manager.num_used_blocks > 0
+    engine.abort_request(rid)
+    outs = engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_prompt_over_context_is_a_clear_error(tiny_model, tokenizer):
+    engine = LLMEngine(tiny_model, tokenizer, EngineConfig(num_blocks=64))
+    with pytest.raises(UserError, match="exceeds the context length"):
+        engine.add_request([1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        engine.add_request([10**6], SamplingParams(max_tokens=1))

@@ -1,0 +1,52 @@
+import torch
+
+from splitphase.engine.sampler import SamplingState, sample_row
+from splitphase.engine.sampling_params import SamplingParams
+
+
+def _state(**kw):
+    return SamplingState.create(SamplingParams(**kw), fallback_seed=0)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, 0.2])
+    assert sample_row(logits, _state(temperature=0)).token_id == 1
+
+
+def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
+    logits = torch.randn(50)
+    best = int(logits.argmax())
+    assert all(
+        sample_row(logits, _state(temperature=1.0, top_k=1, seed=i)).token_id == best
+        for i in range(20)
+    )
+    assert all(
+        sample_row(logits, _state(temperature=1.0, top_p=1e-6, seed=i)).token_id == best
+        for i in range(20)
+    )
+
+
+def test_min_p_excludes_unlikely_tokens():
+    logits = torch.tensor([5.0, 4.9, -10.0, -10.0])
+    picks = {
+        sample_row(logits, _state(temperature=1.0, min_p=0.5, seed=i)).token_id for i in range(50)
+    }
+    assert picks <= {0, 1}
+
+
+def test_seed_reproducible_and_penalties_discourage_repeats():
+    logits = torch.zeros(10)
+    a = [sample_row(logits, s).token_id for s in [_state(temperature=1.0, seed=7)] * 5]
+    b = [sample_row(logits, s).token_id for s in [_state(temperature=1.0, seed=7)] * 5]
+    assert a == b
+    state = _state(temperature=0, frequency_penalty=2.0)
+    first = sample_row(logits, state).token_id
+    assert sample_row(logits, state).token_id != first
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    tok = sample_row(logits, _state(temperature=0.5, logprobs=2, seed=1))
+    ref = logits.log_softmax(-1)
+    assert abs(tok.logprob - float(ref[tok.token_id])) < 1e-6
+    assert [t for t, _ in tok.top_logprobs] == [2, 1]
