@@ -28,7 +28,7 @@ demo: install
 	$(BIN)/splitphase demo
 
 lint: install-dev
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
 	$(BIN)/mypy src
 
 test: lint

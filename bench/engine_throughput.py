@@ -165,9 +165,8 @@ def main() -> None:
             if r
         ]
     by = {r["policy"]: r for r in rows}
-    print(
-        f"{'policy':24s} {'tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>9s} {'ITL p99':>9s}"
-    )
+    heads = ("tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
+    print(f"{'policy':24s} " + " ".join(f"{h:>9s}" for h in heads))
     for r in rows:
         print(
             f"{r['policy']:24s} {r['output_tok_per_s']:9.1f} "

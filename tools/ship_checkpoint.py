@@ -34,22 +34,46 @@ def main(run_dir: str, name: str, command: str) -> None:
     meta = load_meta(data)
     params = sum(p.numel() for p in model.parameters())
     size_mb = (dest / "model.safetensors").stat().st_size / 1e6
+    m, train_cfg = cfg["model"], cfg["training"]["config"]
+    geometry = (
+        f"d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads "
+        f"({m['n_kv_heads']} KV heads), MLP {m['d_ff']}, vocab {m['vocab_size']}, tied embeddings"
+    )
+    splits = meta["splits"]
+    rows = [
+        ("training command", f"`{command}`"),
+        ("geometry", geometry),
+        (
+            "data",
+            f"train split {splits['train']['tokens']:,} tokens, validation split "
+            f"{splits['val']['tokens']:,} tokens (held-out documents)",
+        ),
+        (
+            "steps",
+            f"{summary['steps']:,} of batch {train_cfg['batch_size']} x "
+            f"{train_cfg['seq_len']} tokens ({summary['train_tokens']:,} tokens)",
+        ),
+        ("wall time", f"{summary['wall_s'] / 60:.1f} min on this machine's CPU"),
+        (
+            "validation loss (shipped weights)",
+            f"{res.loss:.4f} nats/token over {res.tokens:,} tokens",
+        ),
+        (
+            "continuation loss (shipped weights)",
+            f"{res.continuation_loss:.4f} nats/token over {res.continuation_tokens:,} tokens",
+        ),
+    ]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     card = f"""# {name}
 
-A {params / 1e6:.2f}M-parameter {cfg["model"]["arch"]} Llama-style decoder trained from scratch
-on the splitphase corpus (King James Bible + Shakespeare's plays, public domain; see
-`splitphase/data/README.md`). Weights are stored in {cfg["stored_dtype"]} ({size_mb:.1f} MB) and
-computed in {cfg["model"]["dtype"]}.
+A {params / 1e6:.2f}M-parameter {m["arch"]} Llama-style decoder trained from scratch on the
+splitphase corpus (King James Bible + Shakespeare's plays, public domain; see
+`splitphase/data/README.md`). Weights are stored in {cfg["stored_dtype"]} ({size_mb:.1f} MB)
+and computed in {m["dtype"]}.
 
 | | |
 | --- | --- |
-| training command | `{command}` |
-| geometry | d_model {cfg["model"]["d_model"]}, {cfg["model"]["n_layers"]} layers, {cfg["model"]["n_heads"]} heads ({cfg["model"]["n_kv_heads"]} KV heads), MLP {cfg["model"]["d_ff"]}, vocab {cfg["model"]["vocab_size"]}, tied embeddings |
-| data | train split {meta["splits"]["train"]["tokens"]:,} tokens, validation split {meta["splits"]["val"]["tokens"]:,} tokens (held-out documents) |
-| steps | {summary["steps"]:,} of batch {cfg["training"]["config"]["batch_size"]} x {cfg["training"]["config"]["seq_len"]} tokens ({summary["train_tokens"]:,} tokens) |
-| wall time | {summary["wall_s"] / 60:.1f} min on this machine's CPU |
-| validation loss (shipped weights) | {res.loss:.4f} nats/token over {res.tokens:,} tokens |
-| continuation loss (shipped weights) | {res.continuation_loss:.4f} nats/token over {res.continuation_tokens:,} tokens |
+{table}
 
 Reproduce the loss with `splitphase eval --model {name} --json` after `splitphase data prepare`.
 """

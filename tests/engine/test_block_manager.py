@@ -294,7 +294,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         copies = self.bm.fork(req, child, copy_partial)
         bs = self.bm.block_size
         for src, dst in copies:
-            assert src in req.block_table and dst in child.block_table and self.bm.ref_count(dst) == 1
+            assert src in req.block_table and dst in child.block_table
+            assert self.bm.ref_count(dst) == 1
             for off in range(bs):
                 if src * bs + off in self.kv:
                     self.kv[dst * bs + off] = self.kv[src * bs + off]

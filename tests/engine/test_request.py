@@ -43,7 +43,9 @@ def test_token_views() -> None:
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=8),
        st.lists(st.integers(0, 9), max_size=8), st.data())
 @settings(max_examples=60, deadline=None)
-def test_get_token_ids_matches_slicing(prompt: list[int], out: list[int], data: st.DataObject) -> None:
+def test_get_token_ids_matches_slicing(
+    prompt: list[int], out: list[int], data: st.DataObject
+) -> None:
     r = Request("a", prompt, output_token_ids=out)
     start = data.draw(st.integers(0, r.num_tokens))
     end = data.draw(st.integers(start, r.num_tokens))

@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitphase.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, SamplingParamsError
+from splitphase.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 
 def test_defaults_are_valid_and_serializable() -> None:

@@ -71,7 +71,8 @@ class FakeModel:
                                       c.end), c.token_ids, strict=True):
                 self.kv[slot] = (pos, tok)
         for d in out.decode:
-            self.kv[self._slots(d.block_table, d.position, d.context_len)[0]] = (d.position, d.token_id)
+            slot = self._slots(d.block_table, d.position, d.context_len)[0]
+            self.kv[slot] = (d.position, d.token_id)
         sampled: dict[str, list[int]] = {}
         for c in out.prefill:
             req = sched.get_request(c.request_id)
@@ -259,7 +260,9 @@ def test_chunked_gives_decodes_priority_and_splits_long_prompts() -> None:
              Spec(3, list(range(1, 61)), max_tokens=2)]
     cfg = cfg_of("chunked", max_num_batched_tokens=16, long_prefill_token_threshold=12)
     run = run_single(cfg, specs)
-    long_chunks = [(i, c) for i, o in enumerate(run.steps) for c in o.prefill if c.request_id == "r2"]
+    long_chunks = [
+        (i, c) for i, o in enumerate(run.steps) for c in o.prefill if c.request_id == "r2"
+    ]
     assert len(long_chunks) == 5 and sum(c.num_tokens for _, c in long_chunks) == 60
     assert [c.is_last_chunk for _, c in long_chunks] == [False] * 4 + [True]
     for i, _ in long_chunks:  # both decoders decode in every step of the long prompt
@@ -395,10 +398,11 @@ def run_disaggregated(specs: Sequence[Spec], p_cfg: SchedulerConfig,
         assert not out.prefill
         for load in out.kv_loads:  # pull KV before the forward pass
             src = in_transit[load.request_id].block_table
+            span = (load.start, load.start + load.num_tokens)
             for s_slot, d_slot in zip(
-                slots_from_block_table(src, p_cfg.block_size, load.start, load.start + load.num_tokens),
-                slots_from_block_table(load.block_table, d_cfg.block_size, load.start,
-                                       load.start + load.num_tokens), strict=True):
+                slots_from_block_table(src, p_cfg.block_size, *span),
+                slots_from_block_table(load.block_table, d_cfg.block_size, *span), strict=True
+            ):
                 d_model.kv[d_slot] = p_model.kv[s_slot]
         for d in out.decode:  # admitted: the prefill worker may drop its copy
             if d.request_id in in_transit:
@@ -409,7 +413,8 @@ def run_disaggregated(specs: Sequence[Spec], p_cfg: SchedulerConfig,
             pre.add_request(h.request)
         pre.block_manager.check_invariants()
         dec.block_manager.check_invariants()
-    assert not in_transit and not pre.has_unfinished_requests() and not dec.has_unfinished_requests()
+    assert not in_transit and not pre.has_unfinished_requests()
+    assert not dec.has_unfinished_requests()
     assert pre.block_manager.num_free_blocks == p_cfg.num_blocks
     assert dec.block_manager.num_free_blocks == d_cfg.num_blocks
     collect_children(run)

@@ -197,4 +197,9 @@ def _build(opts: WorkerOptions, conn: Connection) -> WorkerLoop:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is closed by now; interpreter teardown with torch and a gloo group costs ~1 s
+    # per shutdown and can block on a recv still pending on a silent peer.
+    os._exit(code)

@@ -173,7 +173,7 @@ class LLMEngine:
             )
 
     def _track(self, req: Request, params: SamplingParams, seed_offset: int = 0) -> _Tracked:
-        seed = params.seed + seed_offset if params.seed is not None else None
+        seed = (params.seed + seed_offset) % 2**64 if params.seed is not None else None
         fallback = self._rng.getrandbits(63)
         state = SamplingState.create(params if seed is None else _with_seed(params, seed), fallback)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)

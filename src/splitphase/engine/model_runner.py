@@ -85,7 +85,9 @@ class ModelRunner:
             row += 1
         return ids, rows, prompt_rows
 
-    def load_kv(self, out: SchedulerOutput, payloads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_kv(
+        self, out: SchedulerOutput, payloads: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         """Decode worker: write transferred K/V (L, T, G, D) of each kv_load into its blocks."""
         for load in out.kv_loads:
             k, v = payloads.pop(load.request_id)
@@ -95,14 +97,18 @@ class ModelRunner:
             self.cache.k[:, slots] = k[:, part].to(self.cache.k.device, self.cache.k.dtype)
             self.cache.v[:, slots] = v[:, part].to(self.cache.v.device, self.cache.v.dtype)
 
-    def export_kv(self, block_table: tuple[int, ...], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def export_kv(
+        self, block_table: tuple[int, ...], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill worker: K and V (L, T, G, D) of positions [0, num_tokens) of a sequence."""
         slots = self.cache.slots(block_table, 0, num_tokens).to(self.device)
         return self.cache.k[:, slots].contiguous(), self.cache.v[:, slots].contiguous()
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, want_prompt: set[str] | None = None,
+        self,
+        out: SchedulerOutput,
+        want_prompt: set[str] | None = None,
         kv_payloads: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> RunnerOutput:
         """Run one step; the KV pool is updated in place (transferred K/V loaded first)."""

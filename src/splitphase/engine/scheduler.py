@@ -49,9 +49,9 @@ class SchedulerError(ValueError):
     """A scheduler configuration or call that cannot work; the message says what to change."""
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SchedulerError(f"{name} must be an integer >= 1, got {value!r}")
+def _positive_int(name: str, value: object, lo: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise SchedulerError(f"{name} must be an integer >= {lo}, got {value!r}")
     return value
 
 
@@ -101,13 +101,8 @@ class SchedulerConfig:
             raise SchedulerError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
             )
-        if self.eos_token_id is not None and (
-            isinstance(self.eos_token_id, bool) or not isinstance(self.eos_token_id, int)
-            or self.eos_token_id < 0
-        ):
-            raise SchedulerError(
-                f"eos_token_id must be None or an integer >= 0, got {self.eos_token_id!r}"
-            )
+        if self.eos_token_id is not None:
+            _positive_int("eos_token_id", self.eos_token_id, lo=0)
         self._check_max_model_len()
 
     def _check_max_model_len(self) -> None:
@@ -381,7 +376,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         plan.preempted.append(request)
-        if False:
+        if self.config.role == "decode":
             self._handoff_ready.append(request)  # no prefill here: back to the prefill worker
         else:
             self.waiting.appendleft(request)

@@ -7,6 +7,7 @@ Torch threads are used as the caller set them; we never change them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -103,7 +104,8 @@ def measure_gemm_flops_per_s(
         y = torch.randn(n, n, dtype=dtype)
         out = torch.empty(n, n, dtype=dtype)
         torch.matmul(x, y, out=out)  # untimed: the first call pays for thread-pool start-up
-        seconds = _best_time_s(lambda: torch.matmul(x, y, out=out), repeats, budget_s=target_s * 10)
+        product = functools.partial(torch.matmul, x, y, out=out)
+        seconds = _best_time_s(product, repeats, budget_s=target_s * 10)
         best = max(best, 2 * n**3 / seconds)
         if seconds > target_s:  # the next size costs 8x: enough
             break
@@ -162,7 +164,7 @@ def calibrate(
     key = _cache_key()
     if not refresh:
         # A full calibration is better than a quick one, so a quick request accepts either.
-        for mode in ([False, True] if quick else [False]):
+        for mode in [False, True] if quick else [False]:
             cached = _load(_cache_path(key, mode), key)
             if cached is not None:
                 # The price is an assumption, not a measurement, so the caller's value wins.

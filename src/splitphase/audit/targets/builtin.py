@@ -1,10 +1,12 @@
-"""`builtin[:MODEL]`: our model in-process, run by a small pluggable batch runner.
+"""`builtin[:MODEL]`: our model in-process, on the paged engine with continuous batching.
 
-Until the paged engine lands, the runner is the reference model (`Transformer.prefill` then
-`decode_step`, greedy, no early stop): requests of equal prompt and output length run batched,
-up to `concurrency` at a time, others one batch after another. There is no scheduler, so no
-queue and no prefill-decode interleaving (`concurrent_streams: False`). The engine-backed runner
-replaces `reference_runner` and nothing else: it is any `GenerateTimed` callable.
+The default run is closed-loop: `concurrency` requests in flight, the next one added as soon as
+one finishes, requests with a start offset (the prefill-interference probe) added when their
+time comes, so the engine really interleaves prefill with running streams
+(`concurrent_streams: True`). Each token is timestamped when its step returns; the engine's own
+per-request queue and prefill times are recorded as the server-side values. A custom
+`GenerateTimed` runner (e.g. `reference_runner`, the plain model without a scheduler) can be
+passed instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch
 
 from splitphase.audit.targets.base import Codec, GenerateTimed, TokenizerCodec
 from splitphase.audit.trace import ProbeRequest, RequestTrace
+from splitphase.engine.config import EngineConfig
+from splitphase.engine.llm_engine import LLMEngine, RequestOutput
+from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
 from splitphase.model.checkpoint import load_model, resolve_model_dir
 from splitphase.model.config import ModelConfig
@@ -80,6 +85,60 @@ def run_batched(
     return traces
 
 
+def _trace(req: ProbeRequest, send_s: float) -> RequestTrace:
+    return RequestTrace(
+        req.prompt_tokens,
+        req.output_tokens,
+        send_s,
+        point=req.point,
+        concurrency=req.concurrency,
+        role=req.role,
+    )
+
+
+def _record(trace: RequestTrace, out: RequestOutput, now_s: float) -> None:
+    new = len(out.token_ids) - len(trace.token_times_s)
+    trace.token_times_s.extend([now_s] * new)
+    if trace.first_token_s is None and trace.token_times_s:
+        trace.first_token_s = trace.token_times_s[0]
+    if out.finished:
+        trace.end_s = now_s
+        req = out.request
+        if req is not None:
+            trace.server_queue_s, trace.server_prefill_s = req.queue_s, req.prefill_s
+        if out.finish_reason in ("error", "abort"):
+            trace.error = f"finished with {out.finish_reason}"
+
+
+@torch.inference_mode()
+def run_on_engine(
+    engine: LLMEngine, requests: Sequence[ProbeRequest], concurrency: int
+) -> list[RequestTrace]:
+    """Closed loop over the engine: keep `concurrency` requests in flight, honour start offsets."""
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].start_offset_s)
+    traces: dict[int, RequestTrace] = {}
+    live: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while pending or live:
+        now = time.perf_counter()
+        while (
+            pending
+            and len(live) < max(1, concurrency)
+            and (requests[pending[0]].start_offset_s <= now - t0 or not live)
+        ):
+            i = pending.pop(0)
+            req = requests[i]
+            params = SamplingParams(max_tokens=req.output_tokens, temperature=0, ignore_eos=True)
+            live[engine.add_request(list(req.prompt_ids), params, arrival_s=now)] = i
+            traces[i] = _trace(req, now)
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id in live:
+                _record(traces[live[out.request_id]], out, now)
+                if out.finished:
+                    del live[out.request_id]
+    return [traces[i] for i in range(len(requests))]
 
 
 def model_tokenizer(name_or_path: str) -> Tokenizer:
@@ -91,7 +150,12 @@ def model_tokenizer(name_or_path: str) -> Tokenizer:
 class BuiltinTarget:
     """Our model in-process (an embedded name or a checkpoint directory)."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, runner: GenerateTimed | None = None) -> None:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        runner: GenerateTimed | None = None,
+        policy: str = "chunked",
+    ) -> None:
         self.model_name = model
         self._model = load_model(model)
         self._tok = model_tokenizer(model)
@@ -100,8 +164,13 @@ class BuiltinTarget:
                 f"the tokenizer has {self._tok.vocab_size} ids but model {model!r} only "
                 f"{self._model.cfg.vocab_size}; put the model's tokenizer.json in its directory"
             )
-        self._runner = runner or reference_runner(self._model)
-        self._runner_name = "custom" if runner else "reference (Transformer.prefill + decode_step)"
+        self._runner = runner
+        self._engine = (
+            None
+            if runner
+            else LLMEngine(self._model, self._tok, EngineConfig(policy=policy, max_num_seqs=64))
+        )
+        self._runner_name = "custom" if runner else f"engine (policy {policy})"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -112,7 +181,7 @@ class BuiltinTarget:
             "device": str(self._model.device),
             "dtype": self._model.cfg.dtype,
             "torch_threads": torch.get_num_threads(),
-            "concurrent_streams": False,
+            "concurrent_streams": self._engine is not None,
             "server_metrics": False,
         }
 
@@ -123,6 +192,9 @@ class BuiltinTarget:
         return TokenizerCodec(self._tok)
 
     def run(self, requests: Sequence[ProbeRequest], concurrency: int) -> list[RequestTrace]:
+        if self._engine is not None:
+            return run_on_engine(self._engine, requests, concurrency)
+        assert self._runner is not None
         return run_batched(self._runner, requests, concurrency)
 
     def close(self) -> None:

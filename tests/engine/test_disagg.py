@@ -1,0 +1,237 @@
+"""Disaggregated serving: two worker processes on this machine, checked against in-process runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from splitphase.engine.async_engine import AsyncEngine
+from splitphase.engine.config import EngineConfig
+from splitphase.engine.disagg import DisaggConfig, DisaggregatedEngine, WorkerDiedError
+from splitphase.engine.disagg_frontend import FrontendState
+from splitphase.engine.disagg_protocol import (
+    ClockStamp,
+    OutputRecord,
+    WorkerUpdate,
+    request_from_meta,
+    request_meta,
+)
+from splitphase.engine.disagg_worker import WorkerOptions, add_worker_arguments, options_from_args
+from splitphase.engine.llm import LLM
+from splitphase.engine.llm_engine import LLMEngine, StepFailedError
+from splitphase.engine.request import Request
+from splitphase.engine.sampling_params import SamplingParams
+from splitphase.errors import UserError
+from splitphase.model.checkpoint import save_checkpoint
+
+PROMPTS = [[0, *range(5, 5 + n)] for n in (3, 17, 40, 9, 33)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=10, temperature=0.9, top_k=40, seed=100 + i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+
+def run(engine, prompts, params=GREEDY, timeout_s=20.0):
+    """Drive an engine to completion; finished outputs in prompt order."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+    done, deadline = {}, time.monotonic() + timeout_s
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def step_until(engine, cond, timeout_s=10.0):
+    """Step until cond(outputs so far by id) holds; returns the latest output per id."""
+    latest, deadline = {}, time.monotonic() + timeout_s
+    while not cond(latest):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        for out in engine.step():
+            latest[out.request_id] = out
+    return latest
+
+
+def assert_gone(pids):
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the front end reaped it: no orphan, no zombie
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model, tokenizer):
+    def go(prompts, params=GREEDY):
+        with torch.inference_mode():
+            engine = LLMEngine(tiny_model, tokenizer, EngineConfig(policy="mixed", num_blocks=64))
+            return run(engine, prompts, params)
+    return go
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model, tmp_path_factory):
+    return str(save_checkpoint(tiny_model, tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    engine = DisaggregatedEngine(
+        DisaggConfig(model=checkpoint, engine={"num_blocks": 64}, worker_threads=1)
+    )
+    yield engine
+    pids = list(engine.worker_pids.values())
+    engine.close()
+    assert_gone(pids)
+
+
+# ---- two processes ------------------------------------------------------------------------
+def test_greedy_matches_mixed(pair, mixed):
+    outs = run(pair, PROMPTS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS)]
+    assert [o.text for o in outs] == [o.text for o in mixed(PROMPTS)]
+    assert all(o.finish_reason == "length" for o in outs)
+    for o in outs:  # timings rebuilt on the front end's clock from both workers' records
+        req = o.request
+        assert 0 <= req.queue_s <= req.ttft_s and req.tpot_s > 0
+        assert len(req.inter_token_s) == 11 and req.decode_s == pytest.approx(sum(
+            req.inter_token_s))
+    roles = {(s.role, s.phase) for s in pair.steps}
+    assert ("prefill", "prefill") in roles and ("decode", "decode") in roles
+    assert {r for r, _ in roles} == {"prefill", "decode"}
+    with pytest.raises(UserError, match="context length"):
+        pair.add_request([0] * 10, SamplingParams(max_tokens=pair.max_model_len))
+    with pytest.raises(UserError, match="vocabulary"):
+        pair.add_request([pair.vocab_size])
+
+
+def test_seeded_sampling_matches_mixed(pair, mixed):
+    outs = run(pair, PROMPTS, SEEDED)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS, SEEDED)]
+
+
+def test_abort_frees_blocks_on_both_workers(pair):
+    a = pair.add_request(PROMPTS[2], LONG)
+    step_until(pair, lambda seen: a in seen and len(seen[a].token_ids) >= 3)  # decoding now
+    b = pair.add_request(PROMPTS[1], LONG)  # aborted before its prefill
+    busy = pair.block_usage()
+    assert busy["decode"]["num_used_blocks"] > 0
+    pair.abort_request(a)
+    pair.abort_request(b)
+    ends = step_until(pair, lambda seen: a in seen and b in seen)
+    assert ends[a].finish_reason == ends[b].finish_reason == "abort"
+    assert len(ends[a].token_ids) < LONG.max_tokens
+    assert not pair.has_unfinished_requests()
+    for role, usage in pair.block_usage().items():
+        assert usage["num_used_blocks"] == 0, role
+        assert usage["num_running"] == usage["num_waiting"] == usage["num_pending_kv"] == 0
+
+
+def test_killed_decode_worker_fails_its_requests_then_restart(pair, mixed):
+    ids = [pair.add_request(p, LONG) for p in PROMPTS[:3]]
+    step_until(pair, lambda seen: all(len(seen[i].token_ids) >= 2 for i in ids if i in seen)
+               and len(seen) == 3)
+    old = dict(pair.worker_pids)
+    os.kill(old["decode"], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(StepFailedError) as failed:
+        step_until(pair, lambda seen: False, timeout_s=5.0)
+    assert time.monotonic() - t0 < 5.0
+    assert sorted(failed.value.request_ids) == sorted(ids)
+    assert isinstance(failed.value.cause, WorkerDiedError)
+    assert "SIGKILL" in str(failed.value.cause) or "connection" in str(failed.value.cause)
+    assert not pair.has_unfinished_requests()
+    with pytest.raises(WorkerDiedError, match="restart"):
+        pair.add_request(PROMPTS[0])
+    pair.restart()
+    assert_gone(old.values())
+    assert set(pair.worker_pids.values()).isdisjoint(old.values())
+    outs = run(pair, PROMPTS[:2])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS[:2])]
+
+
+# ---- LLM(policy="disaggregated") and AsyncEngine, with decode-side preemption ---------------
+# 4 blocks of 16: 14/30/14-token prompts fit together, then outgrow the decode pool together.
+TIGHT = [[0, *range(5, 5 + n)] for n in (13, 29, 13)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model, tokenizer):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # the workers inherit it: one torch thread each
+        llm = LLM(tiny_model, tokenizer, policy="disaggregated", num_blocks=4,
+                  max_num_batched_tokens=64)
+    yield llm
+    pids = list(llm.engine.worker_pids.values())
+    llm.close()
+    assert_gone(pids)
+
+
+def test_llm_preempted_requests_are_prefilled_again(llm, mixed):
+    outs = llm.generate(TIGHT, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(TIGHT)]
+    assert any(o.output.request.num_preemptions > 0 for o in outs)
+    assert all(o.timings.ttft_s is not None and o.timings.tpot_s is not None for o in outs)
+
+
+def test_async_engine_runs_on_the_pair(llm, mixed):
+    async def collect(engine, prompt, rid):
+        return [out async for out in engine.generate(prompt, GREEDY, rid)]
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            return await asyncio.gather(*(collect(engine, p, f"a{i}") for i, p in enumerate(TIGHT)))
+        finally:
+            engine.shutdown()
+
+    streams = asyncio.run(main())
+    assert [s[-1].token_ids for s in streams] == [o.token_ids for o in mixed(TIGHT)]
+    assert all("".join(o.delta for o in s) == s[-1].text for s in streams)
+
+
+# ---- pieces, no processes -------------------------------------------------------------------
+def test_records_that_overtake_the_first_token_wait_for_it():
+    state = FrontendState()
+    state.add("r", [1, 2], GREEDY, arrival_s=10.0)
+    decode = OutputRecord("r", 1, [8, 9], [0.3, 0.4], [], "bc", False, None, None)
+    prefill = OutputRecord("r", 0, [7], [0.2], [], "a", False, None, 0.1)
+    state.apply("decode", WorkerUpdate(outputs=[decode]))
+    assert state.live["r"].request.output_token_ids == []
+    state.apply("prefill", WorkerUpdate(outputs=[prefill]))
+    (out,) = state.collect()
+    assert out.token_ids == [7, 8, 9] and out.text == out.delta == "abc"
+    assert out.request.ttft_s == pytest.approx(0.2) and out.request.queue_s == pytest.approx(0.1)
+    aborts, _ = state.apply("decode", WorkerUpdate(outputs=[
+        OutputRecord("gone", 3, [1], [0.5], [], "", False, None, None)]))
+    assert aborts == ["gone"]  # a request the front end let go of: stop it over there
+
+
+def test_request_meta_round_trip_shifts_foreign_clocks():
+    req = Request("r", [1, 2, 3], SEEDED[0], arrival_time_s=5.0)
+    req.append_output_token(4, 6.0)
+    same = request_from_meta(request_meta(req), ClockStamp.now().shift_s())
+    assert same.token_times_s == [6.0] and same.output_token_ids == [4]
+    foreign = ClockStamp("another-host", sent_s=-100.0).shift_s()
+    moved = request_from_meta(request_meta(req), foreign)
+    assert moved.ttft_s == pytest.approx(1.0) and moved.arrival_time_s > 100.0
+
+
+def test_worker_options_round_trip_through_the_command_line():
+    opts = WorkerOptions("decode", "small", "10.0.0.1:7100", "tcp://10.0.0.1:29500",
+                         threads=2, engine={"num_blocks": 8, "enable_prefix_caching": False,
+                                            "kv_memory_fraction": 0.5})
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    assert options_from_args(parser.parse_args(opts.to_argv())) == opts
+    with pytest.raises(UserError, match="role"):
+        WorkerOptions("both", "small", "h:1", "tcp://h:2")
+    with pytest.raises(UserError, match="unknown engine options"):
+        DisaggConfig(model="small", engine={"policy": "mixed"})
