@@ -160,3 +160,44 @@ def test_prompt_over_context_is_a_clear_error(tiny_model, tokenizer):
         engine.add_request([1] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(UserError, match="outside the vocabulary"):
         engine.add_request([10**6], SamplingParams(max_tokens=1))
+
+
+@pytest.fixture(scope="module")
+def dual_flow_model(tokenizer):
+    from splitphase.model.config import ModelConfig
+    from splitphase.model.dual_flow import DualFlowTransformer
+
+    torch.manual_seed(1)
+    cfg = ModelConfig.from_name("tiny").with_(vocab_size=tokenizer.vocab_size, arch="dual_flow")
+    model = DualFlowTransformer(cfg).eval()
+    with torch.no_grad():  # non-zero couplings, so the auxiliary flow really changes P
+        for p in model.couplings.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["mixed", "chunked"])
+@pytest.mark.parametrize("num_blocks", [200, 6])
+def test_dual_flow_engine_matches_reference(dual_flow_model, tokenizer, policy, num_blocks):
+    reference = [dual_flow_model.generate(p, 12) for p in PROMPTS]
+    engine = LLMEngine(
+        dual_flow_model,
+        tokenizer,
+        EngineConfig(
+            policy=policy, num_blocks=num_blocks, max_num_batched_tokens=64, max_num_seqs=8
+        ),
+    )
+    assert [o.token_ids for o in _run(engine, PROMPTS)] == reference
+    # The auxiliary flow allocates nothing: the KV pool is the baseline's geometry.
+    assert engine.cache.k.shape[0] == dual_flow_model.cfg.n_layers
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_dual_flow_engine_logprobs_are_the_mixture(dual_flow_model, tokenizer):
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=1, ignore_eos=True)
+    out = LLM(dual_flow_model, tokenizer, num_blocks=64).generate([PROMPTS[1]], params)[0].output
+    seq = list(PROMPTS[1])
+    for tok in out.logprobs:
+        ref = dual_flow_model(torch.tensor([seq]))[0, -1]  # teacher-forced log P
+        assert tok.logprob == pytest.approx(float(ref[tok.token_id]), abs=1e-4)
+        seq.append(tok.token_id)

@@ -28,14 +28,20 @@ log = logging.getLogger(__name__)
 class StepEngine(Protocol):
     """What the loop needs of an engine: LLMEngine, or the disaggregated front end."""
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_s: float | None = None,
-                    prompt_logprobs: int | None = None) -> str: ...
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
 
-    def abort_request(self, request_id: str,
-                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None: ...
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None: ...
 
     def has_unfinished_requests(self) -> bool: ...
 

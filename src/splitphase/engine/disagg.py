@@ -132,8 +132,12 @@ def _canonical(device: str) -> str:
 class DisaggregatedEngine:
     """The front end of a prefill/decode worker pair, with LLMEngine's request interface."""
 
-    def __init__(self, config: DisaggConfig, tokenizer: Tokenizer | None = None,
-                 owned_dir: tempfile.TemporaryDirectory[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: DisaggConfig,
+        tokenizer: Tokenizer | None = None,
+        owned_dir: tempfile.TemporaryDirectory[str] | None = None,
+    ) -> None:
         self.config = config
         self.vocab_size = read_config(resolve_model_dir(config.model))[0].vocab_size
         self.tokenizer = tokenizer or load_worker_tokenizer(config.model, config.tokenizer_dir)
@@ -160,9 +164,14 @@ class DisaggregatedEngine:
             raise
 
     @classmethod
-    def launch(cls, model: str | Transformer, tokenizer: Tokenizer | None = None,
-               device: str = "cpu", dtype: str | None = None,
-               **engine_kwargs: Any) -> DisaggregatedEngine:
+    def launch(
+        cls,
+        model: str | Transformer,
+        tokenizer: Tokenizer | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        **engine_kwargs: Any,
+    ) -> DisaggregatedEngine:
         """A local pair for a model name/path, or an in-memory model (via a temp checkpoint)."""
         policy, role = engine_kwargs.pop("policy", "disaggregated"), engine_kwargs.pop("role", None)
         if policy != "disaggregated" or role is not None:
@@ -177,9 +186,14 @@ class DisaggregatedEngine:
             dtype = dtype or {v: k for k, v in TORCH_DTYPES.items()}[model.dtype]
             save_checkpoint(model, path, dtype=dtype)
             device = str(model.device)
-        config = DisaggConfig(model=path, tokenizer_dir=owned.name if owned else None,
-                              prefill_device=device, decode_device=device, dtype=dtype,
-                              engine=engine_kwargs)
+        config = DisaggConfig(
+            model=path,
+            tokenizer_dir=owned.name if owned else None,
+            prefill_device=device,
+            decode_device=device,
+            dtype=dtype,
+            engine=engine_kwargs,
+        )
         return cls(config, tokenizer or (Tokenizer.default() if owned else None), owned)
 
     # ---- the pair -------------------------------------------------------------------------
@@ -192,9 +206,20 @@ class DisaggregatedEngine:
             for role in ROLES:
                 device = cfg.prefill_device if role == "prefill" else cfg.decode_device
                 engine = cfg.engine | (cfg.decode_engine if role == "decode" else {})
-                opts = WorkerOptions(role, cfg.model, control, dist_init, device, cfg.dtype,
-                                     cfg.tokenizer_dir, cfg.local_backend(), cfg.timeout_s,
-                                     cfg.worker_threads, session, engine)
+                opts = WorkerOptions(
+                    role,
+                    cfg.model,
+                    control,
+                    dist_init,
+                    device,
+                    cfg.dtype,
+                    cfg.tokenizer_dir,
+                    cfg.local_backend(),
+                    cfg.timeout_s,
+                    cfg.worker_threads,
+                    session,
+                    engine,
+                )
                 procs[role] = spawn_worker(opts, self._authkey)
                 self._procs.append(procs[role])
         self._workers = await_workers(self._server, session, procs, cfg.startup_timeout_s)
@@ -243,22 +268,30 @@ class DisaggregatedEngine:
         return self._max_model_len
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_s: float | None = None,
-                    prompt_logprobs: int | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> str:
         """Queue a request (text or token ids) on the prefill worker; returns its id."""
         self._check_open()
         if self._broken is not None:
             raise WorkerDiedError(f"{self._broken}; call restart() for a fresh worker pair")
         params = params or SamplingParams()
-        ids = (self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str)
-               else list(prompt))
+        ids = (
+            self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
+        )
         self._check_prompt(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         arrival = time.perf_counter() if arrival_s is None else arrival_s
         self._state.add(rid, ids, params, arrival)
-        self._send("prefill", ("add", AddRequest(rid, ids, params, arrival, prompt_logprobs,
-                                                 ClockStamp.now())))
+        self._send(
+            "prefill",
+            ("add", AddRequest(rid, ids, params, arrival, prompt_logprobs, ClockStamp.now())),
+        )
         return rid
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -275,8 +308,9 @@ class DisaggregatedEngine:
                 f"{len(ids) + params.max_tokens} exceeds the context length {self.max_model_len}"
             )
 
-    def abort_request(self, request_id: str,
-                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """Abort a request (and its n > 1 siblings) on both workers; blocks are freed there."""
         ids = self._state.abort(request_id, status)
         if ids:
@@ -373,8 +407,11 @@ class DisaggregatedEngine:
             w.proc.kill()  # silent or confused: do not let it act on requests we failed
             w.proc.wait()
         # Every request ends up on the decode worker, so losing it fails all of them.
-        affected = [rid for rid, live in self._state.live.items()
-                    if role == "decode" or live.owner == "prefill"]
+        affected = [
+            rid
+            for rid, live in self._state.live.items()
+            if role == "decode" or live.owner == "prefill"
+        ]
         self._state.fail(affected, f"the {role} worker {reason}")
 
     def _send(self, role: str, msg: tuple[Any, ...]) -> None:
@@ -402,15 +439,21 @@ def _save_tokenizer(tokenizer: Tokenizer, out_dir: str) -> None:
     import json
 
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    special = {name: tokenizer.hf.id_to_token(i) for name, i in
-               (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id))
-               if i is not None}
+    special = {
+        name: tokenizer.hf.id_to_token(i)
+        for name, i in (
+            ("bos_token", tokenizer.bos_token_id),
+            ("eos_token", tokenizer.eos_token_id),
+        )
+        if i is not None
+    }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(special, f)
 
 
-def _cleanup(procs: list[Any], server: ControlServer,
-             owned: tempfile.TemporaryDirectory[str] | None) -> None:
+def _cleanup(
+    procs: list[Any], server: ControlServer, owned: tempfile.TemporaryDirectory[str] | None
+) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()

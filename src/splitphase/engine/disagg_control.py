@@ -127,8 +127,9 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None
             p.wait()
 
 
-def await_workers(server: ControlServer, session: str, procs: dict[str, subprocess.Popen[bytes]],
-                  timeout_s: float) -> dict[str, WorkerHandle]:
+def await_workers(
+    server: ControlServer, session: str, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float
+) -> dict[str, WorkerHandle]:
     """Accept one prefill and one decode worker and wait until both say `ready`."""
     deadline = time.monotonic() + timeout_s
     pending: dict[str, tuple[Connection, Hello]] = {}
@@ -157,8 +158,12 @@ def await_workers(server: ControlServer, session: str, procs: dict[str, subproce
     return ready
 
 
-def _greet(conn: Connection, session: str, pending: dict[str, tuple[Connection, Hello]],
-           ready: dict[str, WorkerHandle]) -> None:
+def _greet(
+    conn: Connection,
+    session: str,
+    pending: dict[str, tuple[Connection, Hello]],
+    ready: dict[str, WorkerHandle],
+) -> None:
     msg = conn.recv() if conn.poll(5.0) else None
     hello = msg[1] if isinstance(msg, tuple) and msg[0] == "hello" else None
     if not isinstance(hello, Hello) or hello.session != session:
@@ -170,8 +175,9 @@ def _greet(conn: Connection, session: str, pending: dict[str, tuple[Connection, 
     pending[hello.role] = (conn, hello)
 
 
-def _on_ready(role: str, conn: Connection, hello: Hello,
-              proc: subprocess.Popen[bytes] | None) -> WorkerHandle:
+def _on_ready(
+    role: str, conn: Connection, hello: Hello, proc: subprocess.Popen[bytes] | None
+) -> WorkerHandle:
     try:
         msg = conn.recv()
     except (EOFError, OSError) as exc:

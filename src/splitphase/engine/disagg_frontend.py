@@ -167,6 +167,14 @@ def _output(live: Live) -> RequestOutput:
     req = live.request
     delta, live.delta = live.delta, ""
     return RequestOutput(
-        req.request_id, req.prompt_token_ids, list(req.output_token_ids), live.text, delta,
-        req.is_finished, req.finish_reason, list(live.logprobs), live.prompt_logprobs, req,
+        req.request_id,
+        req.prompt_token_ids,
+        list(req.output_token_ids),
+        live.text,
+        delta,
+        req.is_finished,
+        req.finish_reason,
+        list(live.logprobs),
+        live.prompt_logprobs,
+        req,
     )

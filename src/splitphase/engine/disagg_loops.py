@@ -46,10 +46,16 @@ def make_record(out: RequestOutput, sent: int) -> OutputRecord:
     times = req.token_times_s[sent : len(out.token_ids)]
     scheduled = req.first_scheduled_s
     return OutputRecord(
-        out.request_id, sent, list(new), [t - req.arrival_time_s for t in times],
-        list(out.logprobs[len(out.logprobs) - len(new):]) if out.logprobs and new else [],
-        out.delta, out.finished, out.finish_reason,
-        None if scheduled is None else scheduled - req.arrival_time_s, req.num_preemptions,
+        out.request_id,
+        sent,
+        list(new),
+        [t - req.arrival_time_s for t in times],
+        list(out.logprobs[len(out.logprobs) - len(new) :]) if out.logprobs and new else [],
+        out.delta,
+        out.finished,
+        out.finish_reason,
+        None if scheduled is None else scheduled - req.arrival_time_s,
+        req.num_preemptions,
         out.prompt_logprobs if sent == 0 else None,
     )
 
@@ -123,13 +129,19 @@ class WorkerLoop:
                 self.engine.abort_request(rid)
         elif kind == "usage":
             bm = self.engine.scheduler.block_manager
-            self.conn.send(("usage", {
-                "num_blocks": bm.num_free_blocks + bm.num_used_blocks,
-                "num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
-                "num_running": self.engine.scheduler.num_running,
-                "num_waiting": self.engine.scheduler.num_waiting,
-                "num_pending_kv": len(self.engine.kv_payloads),
-            }))
+            self.conn.send(
+                (
+                    "usage",
+                    {
+                        "num_blocks": bm.num_free_blocks + bm.num_used_blocks,
+                        "num_used_blocks": bm.num_used_blocks,
+                        "num_free_blocks": bm.num_free_blocks,
+                        "num_running": self.engine.scheduler.num_running,
+                        "num_waiting": self.engine.scheduler.num_waiting,
+                        "num_pending_kv": len(self.engine.kv_payloads),
+                    },
+                )
+            )
         else:
             self.handle_role(msg)
 
@@ -192,8 +204,13 @@ class PrefillLoop(WorkerLoop):
 
     def _add(self, a: AddRequest) -> None:
         try:
-            self.engine.add_request(a.prompt_token_ids, a.params, a.request_id,
-                                    a.arrival_s + a.clock.shift_s(), a.prompt_logprobs)
+            self.engine.add_request(
+                a.prompt_token_ids,
+                a.params,
+                a.request_id,
+                a.arrival_s + a.clock.shift_s(),
+                a.prompt_logprobs,
+            )
         except Exception as exc:  # the front end validated; this is a mismatch of limits
             print(f"add of {a.request_id} failed: {exc!r}", file=sys.stderr)
             self._update.outputs.append(error_record(a.request_id, 0))

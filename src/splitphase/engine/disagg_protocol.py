@@ -113,7 +113,11 @@ class WorkerUpdate:
 
 _TIME_FIELDS = ("arrival_time_s", "first_scheduled_s", "first_token_s", "finished_s")
 _PLAIN_FIELDS = (
-    "parent_id", "sample_index", "num_computed_tokens", "prefill_len", "num_cached_tokens",
+    "parent_id",
+    "sample_index",
+    "num_computed_tokens",
+    "prefill_len",
+    "num_cached_tokens",
     "num_preemptions",
 )
 
@@ -136,8 +140,11 @@ def request_meta(req: Request) -> dict[str, Any]:
 def request_from_meta(meta: dict[str, Any], shift_s: float) -> Request:
     """Rebuild a request on this process's clock (`ClockStamp.shift_s`)."""
     req = Request(
-        meta["request_id"], meta["prompt_token_ids"], SamplingParams(**meta["sampling_params"]),
-        meta["arrival_time_s"] + shift_s, meta["eos_token_id"],
+        meta["request_id"],
+        meta["prompt_token_ids"],
+        SamplingParams(**meta["sampling_params"]),
+        meta["arrival_time_s"] + shift_s,
+        meta["eos_token_id"],
     )
     for name in _PLAIN_FIELDS:
         setattr(req, name, meta[name])

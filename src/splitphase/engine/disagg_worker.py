@@ -70,11 +70,28 @@ class WorkerOptions:
 
     def to_argv(self) -> list[str]:
         """Command-line arguments that `options_from_args(parse)` turns back into these options."""
-        argv = ["--role", self.role, "--model", self.model, "--control", self.control,
-                "--dist-init", self.dist_init, "--device", self.device,
-                "--backend", self.backend, "--timeout", str(self.timeout_s)]
-        for flag, value in (("--dtype", self.dtype), ("--tokenizer", self.tokenizer),
-                            ("--threads", self.threads), ("--session", self.session or None)):
+        argv = [
+            "--role",
+            self.role,
+            "--model",
+            self.model,
+            "--control",
+            self.control,
+            "--dist-init",
+            self.dist_init,
+            "--device",
+            self.device,
+            "--backend",
+            self.backend,
+            "--timeout",
+            str(self.timeout_s),
+        ]
+        for flag, value in (
+            ("--dtype", self.dtype),
+            ("--tokenizer", self.tokenizer),
+            ("--threads", self.threads),
+            ("--session", self.session or None),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
         for name, value in self.engine.items():
@@ -108,13 +125,27 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """Parsed `splitphase worker` arguments -> WorkerOptions."""
-    engine = {n: getattr(args, n) for n in ENGINE_FIELDS
-              if n != "enable_prefix_caching" and getattr(args, n) is not None}
+    engine = {
+        n: getattr(args, n)
+        for n in ENGINE_FIELDS
+        if n != "enable_prefix_caching" and getattr(args, n) is not None
+    }
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False
-    return WorkerOptions(args.role, args.model, args.control, args.dist_init, args.device,
-                         args.dtype, args.tokenizer, args.backend, args.timeout, args.threads,
-                         args.session, engine)
+    return WorkerOptions(
+        args.role,
+        args.model,
+        args.control,
+        args.dist_init,
+        args.device,
+        args.dtype,
+        args.tokenizer,
+        args.backend,
+        args.timeout,
+        args.threads,
+        args.session,
+        engine,
+    )
 
 
 def worker_command(args: argparse.Namespace) -> None:
@@ -189,8 +220,17 @@ def _build(opts: WorkerOptions, conn: Connection) -> WorkerLoop:
     backend = resolve_backend(opts.backend, device)
     init_transfer_group(opts.dist_init, ROLES.index(opts.role), backend, opts.timeout_s)
     wire = device if backend == "nccl" else torch.device("cpu")
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": model.cfg.vocab_size,
-                         "num_blocks": engine.cache.num_blocks, "backend": backend}))
+    conn.send(
+        (
+            "ready",
+            {
+                "max_model_len": engine.max_model_len,
+                "vocab_size": model.cfg.vocab_size,
+                "num_blocks": engine.cache.num_blocks,
+                "backend": backend,
+            },
+        )
+    )
     if opts.role == "prefill":
         return PrefillLoop(conn, engine, KVSender(wire, opts.timeout_s))
     return DecodeLoop(conn, engine, wire)

@@ -103,53 +103,85 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PrefillSlice:
-    """A prefill chunk inside the flattened batch: rows [row, row + num_tokens)."""
+    """A prefill chunk inside the flattened batch: its rows, in position order."""
 
-    row: int
-    num_tokens: int
+    rows: torch.Tensor  # (T,) row of each fed token (the sampling row sits at the batch's tail)
     context_slots: torch.Tensor  # (context_len,) slots of positions [0, end)
 
 
+@dataclass(frozen=True)
+class PaddedQueries:
+    """Single-token queries, each over its own sequence's context, padded to one batch."""
+
+    first_row: int  # these queries are rows [first_row, first_row + B) of their input
+    slots: torch.Tensor  # (B, S_max) context slots, padded
+    mask: torch.Tensor  # (B, 1, 1, S_max) True where a slot is real
+
+    def attend(
+        self, attn: Attention, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """q (1, N, H, D) -> (1, B, H*D) for rows [first_row, first_row + B)."""
+        b = self.slots.shape[0]
+        qd = q[0, self.first_row : self.first_row + b, None]  # (B, 1, H, D)
+        kd, vd = k_pool[self.slots], v_pool[self.slots]  # (B, S_max, G, D)
+        out = attn.attend(qd, kd, vd, mask=self.mask, causal=False)  # (B, 1, H*D)
+        return out.transpose(0, 1)
+
+
 class PagedAttention:
-    """Attention context of one step: writes K/V into slots, reads through block tables."""
+    """Attention context of one step: writes K/V into slots, reads through block tables.
+
+    Inputs come flattened, (1, N, ...) or (N, 1, ...) for a grouped decode. A Dual-Flow
+    auxiliary query (`attend_cached` with the A sampling rows only) attends like a decode
+    token over its sequence's context, up to and including its own position.
+    """
 
     def __init__(
         self,
         cache: PagedKVCache,
         write_slots: torch.Tensor,
         prefills: list[PrefillSlice],
-        decode_row: int,
-        decode_slots: torch.Tensor,
-        decode_mask: torch.Tensor,
+        decodes: PaddedQueries,
+        aux: PaddedQueries | None = None,
     ) -> None:
         self.cache = cache
         self.write_slots = write_slots  # (N,) one slot per token of the flattened batch
         self.prefills = prefills
-        self.decode_row = decode_row  # decode tokens occupy rows [decode_row, N)
-        self.decode_slots = decode_slots  # (B_dec, S_max) padded context slots
-        self.decode_mask = decode_mask  # (B_dec, 1, 1, S_max) True where a slot is real
+        self.decodes = decodes  # the decode tokens: the last rows of the batch
+        self.aux = aux  # the sampling rows' contexts, for the auxiliary flow
+        self.num_rows = write_slots.shape[0]
 
     def attend(
         self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """q (1, N, H, D), k/v (1, N, G, D) -> (1, N, H*D)."""
-        self.cache.k[layer_idx].index_copy_(0, self.write_slots, k[0])
-        self.cache.v[layer_idx].index_copy_(0, self.write_slots, v[0])
-        return self.attend_cached(layer_idx, attn, q)
+        """q (1, N, H, D) or (N, 1, H, D), k/v likewise with G heads -> (.., .., H*D)."""
+        self.cache.k[layer_idx].index_copy_(0, self.write_slots, k.flatten(0, 1))
+        self.cache.v[layer_idx].index_copy_(0, self.write_slots, v.flatten(0, 1))
+        return self._attend_all(layer_idx, attn, q)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
-        """Attention of q (1, N, H, D) over K/V already in the pool (nothing written)."""
+        """Read-only attention over the pool: the whole batch, or the auxiliary rows only."""
+        rows = q.shape[0] * q.shape[1]
+        if self.aux is not None and rows == self.aux.slots.shape[0] and rows != self.num_rows:
+            flat = q.reshape(1, rows, *q.shape[2:])
+            out = self.aux.attend(attn, flat, self.cache.k[layer_idx], self.cache.v[layer_idx])
+            return out.reshape(*q.shape[:2], -1)
+        return self._attend_all(layer_idx, attn, q)
+
+    def _attend_all(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
+        flat = q.reshape(1, self.num_rows, *q.shape[2:])  # (1, N, H, D)
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        outs = []
+        out = torch.empty(
+            1, self.num_rows, flat.shape[2] * flat.shape[3], dtype=q.dtype, device=q.device
+        )
         for p in self.prefills:
-            qc = q[:, p.row : p.row + p.num_tokens]  # (1, T, H, D)
+            qc = flat[:, p.rows]  # (1, T, H, D)
             kc, vc = k_pool[p.context_slots][None], v_pool[p.context_slots][None]  # (1, S, G, D)
-            s = kc.shape[1]
-            mask = None if s == p.num_tokens else causal_mask(p.num_tokens, s, q.device)
-            outs.append(attn.attend(qc, kc, vc, mask=mask, causal=mask is None))
-        if self.decode_slots.numel():
-            qd = q[0, self.decode_row :, None]  # (B_dec, 1, H, D)
-            kd, vd = k_pool[self.decode_slots], v_pool[self.decode_slots]  # (B_dec, S_max, G, D)
-            out = attn.attend(qd, kd, vd, mask=self.decode_mask, causal=False)  # (B_dec, 1, H*D)
-            outs.append(out.transpose(0, 1))  # (1, B_dec, H*D)
-        return torch.cat(outs, dim=1)
+            t, s = qc.shape[1], kc.shape[1]
+            mask = None if s == t else causal_mask(t, s, q.device)
+            out[:, p.rows] = attn.attend(qc, kc, vc, mask=mask, causal=mask is None)
+        if self.decodes.slots.numel():
+            b = self.decodes.slots.shape[0]
+            first = self.decodes.first_row
+            out[:, first : first + b] = self.decodes.attend(attn, flat, k_pool, v_pool)
+        return out.reshape(*q.shape[:2], -1)

@@ -48,7 +48,10 @@ def init_transfer_group(init_method: str, rank: int, backend: str, timeout_s: fl
     if not init_method.startswith("tcp://"):
         raise UserError(f"--dist-init must be tcp://HOST:PORT, got {init_method!r}")
     dist.init_process_group(
-        backend, init_method=init_method, world_size=2, rank=rank,
+        backend,
+        init_method=init_method,
+        world_size=2,
+        rank=rank,
         timeout=timedelta(seconds=timeout_s),
     )
 
@@ -181,8 +184,9 @@ class KVReceiver:
         dtype = getattr(torch, dtype_name)
         kv = []
         for _ in range(2):
-            buf = torch.empty(_numel(shape) * dtype.itemsize, dtype=torch.uint8,
-                              device=self._device)
+            buf = torch.empty(
+                _numel(shape) * dtype.itemsize, dtype=torch.uint8, device=self._device
+            )
             dist.recv(buf, PREFILL_RANK)
             kv.append(buf.view(dtype).view(shape))
         if self._device.type == "cuda":

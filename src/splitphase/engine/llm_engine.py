@@ -97,8 +97,13 @@ class LLMEngine:
         cfg = model.cfg
         dtype_bytes = model.embed_tokens.weight.element_size()
         num_blocks = config.num_blocks or num_blocks_for_budget(
-            cfg, config.block_size, dtype_bytes, config.kv_cache_bytes,
-            config.kv_memory_fraction, model.device, config.max_num_seqs,
+            cfg,
+            config.block_size,
+            dtype_bytes,
+            config.kv_cache_bytes,
+            config.kv_memory_fraction,
+            model.device,
+            config.max_num_seqs,
         )
         self.cache = PagedKVCache(cfg, num_blocks, config.block_size, model.dtype, model.device)
         self.scheduler = Scheduler(
@@ -201,8 +206,11 @@ class LLMEngine:
             k, v = self.runner.export_kv(h.block_table, h.num_computed_tokens)
             if h.block_table:
                 self.scheduler.release_handoff(rid)
-            handoffs.append(Handoff(h.request, k, v, t.sampling.generator.get_state(),
-                                    t.sent_chars, t.sent_tokens))
+            handoffs.append(
+                Handoff(
+                    h.request, k, v, t.sampling.generator.get_state(), t.sent_chars, t.sent_tokens
+                )
+            )
         return handoffs
 
     def add_prefilled(self, handoff: Handoff) -> None:

@@ -1,29 +1,58 @@
 """Runs the model for one SchedulerOutput: builds ids, positions, slot mapping and block tables.
 
-All scheduled tokens form one flattened batch row (prefill chunks first, then one token per
-decode), so every shared GEMM runs once per step over the whole batch. Logits are computed
-only at the positions that sample: the last position of a final prefill chunk, and every
-decode token (plus, when asked, every prompt position for prompt logprobs).
+All scheduled tokens form one flattened batch, so every shared GEMM runs once per step over
+the whole batch. Every sampling row sits at the batch's tail: the last token of each final
+prefill chunk, then every decode token. Logits (and a Dual-Flow model's auxiliary flow) run
+on that contiguous block of rows only; prompt logits are computed when a request asks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from splitphase.engine.kv_cache import PagedAttention, PagedKVCache, PrefillSlice
+from splitphase.engine.kv_cache import PaddedQueries, PagedAttention, PagedKVCache, PrefillSlice
 from splitphase.engine.policies import SchedulerOutput
 from splitphase.model.transformer import Transformer
 
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """Logits (R, V) for the sampling rows, in `sample_ids` order; prompt logits if asked."""
+    """Logits (R, V) for the sampling rows, in `sample_ids` order; prompt logits if asked.
+
+    For a Dual-Flow model the "logits" are log P of the mixed readout (softmax(log P) = P, so
+    the sampler treats them like logits).
+    """
 
     sample_ids: tuple[str, ...]
     logits: torch.Tensor
     prompt_logits: dict[str, torch.Tensor]  # request_id -> (num_tokens, V) for that chunk
+
+
+@dataclass
+class _Layout:
+    """Where each token of a step sits in the flattened batch of N rows."""
+
+    ids: list[int]
+    positions: list[int]
+    write_slots: list[int]
+    prefills: list[tuple[list[int], torch.Tensor]]  # per chunk: rows (position order), context
+    sample_ids: list[str]  # the tail rows' requests, in row order
+    sample_contexts: list[torch.Tensor]  # per tail row: slots of positions [0, pos]
+    prompt_rows: dict[str, list[int]]
+
+
+def _padded(contexts: list[torch.Tensor], first_row: int, device: torch.device) -> PaddedQueries:
+    """One single-token query per context, padded to the longest context."""
+    s_max = max((len(c) for c in contexts), default=0)
+    slots = torch.zeros(len(contexts), s_max, dtype=torch.long)
+    mask = torch.zeros(len(contexts), 1, 1, s_max, dtype=torch.bool)
+    for i, ctx in enumerate(contexts):
+        slots[i, : len(ctx)] = ctx
+        mask[i, ..., : len(ctx)] = True
+    return PaddedQueries(first_row, slots.to(device), mask.to(device))
 
 
 class ModelRunner:
@@ -32,58 +61,53 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
         self.model, self.cache = model, cache
         self.device = model.device
+        self.has_aux_flow = bool(getattr(model, "has_aux_flow", False))
 
-    def _build(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        write: list[torch.Tensor] = []
-        prefills: list[PrefillSlice] = []
-        for c in out.prefill:
+    def _layout(self, out: SchedulerOutput, want_prompt: set[str]) -> _Layout:
+        samples = [c.is_last_chunk and c.num_samples > 0 for c in out.prefill]
+        n_body = sum(c.num_tokens - s for c, s in zip(out.prefill, samples, strict=True))
+        n = out.num_batched_tokens
+        lay = _Layout([0] * n, [0] * n, [0] * n, [], [], [], {})
+        body, tail = 0, n_body
+        for c, sample in zip(out.prefill, samples, strict=True):
             ctx = self.cache.slots(c.block_table, 0, c.end)
-            prefills.append(PrefillSlice(len(ids), c.num_tokens, ctx.to(self.device)))
-            ids.extend(c.token_ids)
-            positions.append(torch.arange(c.start, c.end))
-            write.append(ctx[c.start :])
-        decode_row = len(ids)
-        s_max = max((d.context_len for d in out.decode), default=0)
-        dec_slots = torch.zeros(len(out.decode), s_max, dtype=torch.long)
-        dec_mask = torch.zeros(len(out.decode), 1, 1, s_max, dtype=torch.bool)
-        for i, d in enumerate(out.decode):
-            ctx = self.cache.slots(d.block_table, 0, d.context_len)
-            dec_slots[i, : d.context_len] = ctx
-            dec_mask[i, ..., : d.context_len] = True
-            ids.append(d.token_id)
-            positions.append(torch.tensor([d.position]))
-            write.append(ctx[-1:])
-        ctx_obj = PagedAttention(
-            self.cache,
-            torch.cat(write).to(self.device),
-            prefills,
-            decode_row,
-            dec_slots.to(self.device),
-            dec_mask.to(self.device),
-        )
-        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, N)
-        pos_t = torch.cat(positions).to(self.device)[None]  # (1, N)
-        return ids_t, pos_t, ctx_obj
-
-    def _sample_rows(
-        self, out: SchedulerOutput, want_prompt: set[str]
-    ) -> tuple[list[str], list[int], dict[str, tuple[int, int]]]:
-        ids, rows, prompt_rows = [], [], {}
-        row = 0
-        for c in out.prefill:
+            rows = list(range(body, body + c.num_tokens - sample))
+            body += len(rows)
+            if sample:
+                rows.append(tail)
+                tail += 1
+                lay.sample_ids.append(c.request_id)
+                lay.sample_contexts.append(ctx)
+            for i, row in enumerate(rows):
+                lay.ids[row], lay.positions[row] = c.token_ids[i], c.start + i
+                lay.write_slots[row] = int(ctx[c.start + i])
+            lay.prefills.append((rows, ctx))
             if c.request_id in want_prompt:
-                prompt_rows[c.request_id] = (row, row + c.num_tokens)
-            row += c.num_tokens
-            if c.is_last_chunk and c.num_samples > 0:
-                ids.append(c.request_id)
-                rows.append(row - 1)
+                lay.prompt_rows[c.request_id] = rows
         for d in out.decode:
-            ids.append(d.request_id)
-            rows.append(row)
-            row += 1
-        return ids, rows, prompt_rows
+            ctx = self.cache.slots(d.block_table, 0, d.context_len)
+            lay.ids[tail], lay.positions[tail], lay.write_slots[tail] = (
+                d.token_id,
+                d.position,
+                int(ctx[-1]),
+            )
+            tail += 1
+            lay.sample_ids.append(d.request_id)
+            lay.sample_contexts.append(ctx)
+        return lay
+
+    def _context(self, lay: _Layout, num_decodes: int) -> PagedAttention:
+        dev = self.device
+        n, a = len(lay.ids), len(lay.sample_ids)
+        prefills = [
+            PrefillSlice(torch.tensor(rows, dtype=torch.long, device=dev), ctx.to(dev))
+            for rows, ctx in lay.prefills
+        ]
+        decodes = _padded(lay.sample_contexts[a - num_decodes :], n - num_decodes, dev)
+        # The auxiliary queries arrive on their own (A rows), so they start at row 0.
+        aux = _padded(lay.sample_contexts, 0, dev) if self.has_aux_flow else None
+        write = torch.tensor(lay.write_slots, dtype=torch.long, device=dev)
+        return PagedAttention(self.cache, write, prefills, decodes, aux)
 
     def load_kv(
         self, out: SchedulerOutput, payloads: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -116,11 +140,36 @@ class ModelRunner:
             self.cache.copy_blocks(list(out.block_copies))
         if out.kv_loads:
             self.load_kv(out, kv_payloads if kv_payloads is not None else {})
-        sample_ids, rows, prompt_rows = self._sample_rows(out, want_prompt or set())
         if out.num_batched_tokens == 0:
             return RunnerOutput((), torch.empty(0), {})
-        ids, positions, ctx = self._build(out)
-        hidden = self.model.hidden_states(ids, positions, ctx)[0]  # (N, D)
-        logits = self.model.logits(hidden[rows])  # (R, V)
-        prompt_logits = {rid: self.model.logits(hidden[a:b]) for rid, (a, b) in prompt_rows.items()}
-        return RunnerOutput(tuple(sample_ids), logits, prompt_logits)
+        lay = self._layout(out, want_prompt or set())
+        ctx = self._context(lay, len(out.decode))
+        ids = torch.tensor([lay.ids], dtype=torch.long, device=self.device)  # (1, N)
+        pos = torch.tensor([lay.positions], dtype=torch.long, device=self.device)  # (1, N)
+        a = len(lay.sample_ids)
+        if self.has_aux_flow:
+            logits, hidden = self._run_dual_flow(ids, pos, ctx, a, decode_only=not out.prefill)
+        else:
+            hidden = self.model.hidden_states(ids, pos, ctx)[0]  # (N, D)
+            logits = self.model.logits(hidden[len(lay.ids) - a :])  # (A, V)
+        prompt_logits = {rid: self.model.logits(hidden[r]) for rid, r in lay.prompt_rows.items()}
+        return RunnerOutput(tuple(lay.sample_ids), logits, prompt_logits)
+
+    def _run_dual_flow(
+        self, ids: torch.Tensor, pos: torch.Tensor, ctx: PagedAttention, a: int, decode_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log P (A, V) for the sampling rows, and the primary's hidden states (N, D).
+
+        A decode-only step runs both flows as one grouped pass ((N, 1) layout); a step with
+        prefill runs the primary over all rows, then the auxiliary flow at the A sampling rows
+        only (the last prompt position of each final chunk and every decode token). Prompt
+        logprobs of a Dual-Flow model are the primary flow's.
+        """
+        model: Any = self.model  # a DualFlowTransformer (has_aux_flow)
+        if decode_only:
+            hp, hq = model.run_flows(ids.T, pos.T, ctx, 1, grouped=True)  # (N, 1, D) each
+            flows = model.flow_outputs(hp[:, 0], None if hq is None else hq[:, 0], grouped=True)
+            return flows.log_probs, hp[:, 0]
+        hp, hq = model.run_flows(ids, pos, ctx, a, grouped=False)  # (1, N, D), (1, A, D)
+        flows = model.flow_outputs(hp[0, -a:], None if hq is None else hq[0], grouped=False)
+        return flows.log_probs, hp[0]

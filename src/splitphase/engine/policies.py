@@ -261,8 +261,13 @@ def plan_decode_worker(host: PolicyHost, plan: StepPlan) -> None:
     admit_prefilled(host, plan)
 
 
-def build_output(plan: StepPlan, step_id: int, block_size: int, now_s: float,
-                 block_copies: tuple[tuple[int, int], ...]) -> SchedulerOutput:
+def build_output(
+    plan: StepPlan,
+    step_id: int,
+    block_size: int,
+    now_s: float,
+    block_copies: tuple[tuple[int, int], ...],
+) -> SchedulerOutput:
     """Freeze a plan into the runner's contract, snapshotting tokens and block tables."""
     chunks = []
     for req, n in plan.chunks:
@@ -270,12 +275,24 @@ def build_output(plan: StepPlan, step_id: int, block_size: int, now_s: float,
         start = req.num_computed_tokens
         last = start + n == req.prefill_len
         samples = (req.sampling_params.n if will_fork(req) else 1) if last else 0
-        chunks.append(ScheduledChunk(req.request_id, start, n, last, samples,
-                                     tuple(req.get_token_ids(start, start + n)),
-                                     tuple(req.block_table)))
+        chunks.append(
+            ScheduledChunk(
+                req.request_id,
+                start,
+                n,
+                last,
+                samples,
+                tuple(req.get_token_ids(start, start + n)),
+                tuple(req.block_table),
+            )
+        )
     decodes = tuple(
-        ScheduledDecode(r.request_id, r.num_tokens, r.get_token_ids(r.num_tokens - 1,
-                        r.num_tokens)[0], tuple(r.block_table))
+        ScheduledDecode(
+            r.request_id,
+            r.num_tokens,
+            r.get_token_ids(r.num_tokens - 1, r.num_tokens)[0],
+            tuple(r.block_table),
+        )
         for r in plan.decodes
     )
     loads = tuple(
@@ -283,8 +300,9 @@ def build_output(plan: StepPlan, step_id: int, block_size: int, now_s: float,
         for r, s in plan.kv_loads
     )
     preempted = tuple(r.request_id for r in plan.preempted)
-    return SchedulerOutput(step_id, tuple(chunks), decodes, preempted, block_copies, loads,
-                           block_size)
+    return SchedulerOutput(
+        step_id, tuple(chunks), decodes, preempted, block_copies, loads, block_size
+    )
 
 
 def will_fork(request: Request) -> bool:

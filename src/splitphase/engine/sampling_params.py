@@ -31,8 +31,9 @@ def _check_int(name: str, value: object, lo: int, hi: int | None, allowed: str) 
         raise _fail(name, value, allowed)
 
 
-def _check_float(name: str, value: object, lo: float, hi: float | None, allowed: str,
-                 lo_open: bool = False) -> None:
+def _check_float(
+    name: str, value: object, lo: float, hi: float | None, allowed: str, lo_open: bool = False
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(name, value, f"a number {allowed}")
     if not math.isfinite(value):

@@ -36,8 +36,14 @@ from splitphase.engine.policies import (
 from splitphase.engine.request import Request, RequestStatus
 
 __all__ = [
-    "Handoff", "ScheduledChunk", "ScheduledDecode", "ScheduledKVLoad", "Scheduler",
-    "SchedulerConfig", "SchedulerError", "SchedulerOutput",
+    "Handoff",
+    "ScheduledChunk",
+    "ScheduledDecode",
+    "ScheduledKVLoad",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SchedulerOutput",
 ]
 
 POLICIES = ("mixed", "chunked", "disaggregated")
@@ -247,7 +253,8 @@ class Scheduler:
         plan = StepPlan(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold)
         self._plan(self, plan)
         copies = tuple(
-            (src, dst) for child, src, dst in self._pending_copies
+            (src, dst)
+            for child, src, dst in self._pending_copies
             if child.status is RequestStatus.RUNNING and dst in child.block_table
         )
         self._pending_copies.clear()
@@ -312,8 +319,14 @@ class Scheduler:
             raise SchedulerError(f"request {rid!r} needs {n} sampled token(s) this step, got {got}")
         return tokens
 
-    def _on_token(self, req: Request, token_id: int, now_s: float,
-                  stop_checker: StopChecker | None, finished: list[Request]) -> None:
+    def _on_token(
+        self,
+        req: Request,
+        token_id: int,
+        now_s: float,
+        stop_checker: StopChecker | None,
+        finished: list[Request],
+    ) -> None:
         req.append_output_token(token_id, now_s)
         status = self._check_stop(req, stop_checker)
         if status is not None:
@@ -332,13 +345,24 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _spawn_children(self, parent: Request, tokens: Sequence[int], now_s: float,
-                        stop_checker: StopChecker | None, finished: list[Request]) -> None:
+    def _spawn_children(
+        self,
+        parent: Request,
+        tokens: Sequence[int],
+        now_s: float,
+        stop_checker: StopChecker | None,
+        finished: list[Request],
+    ) -> None:
         """n > 1: fork samples 1..n-1 off the parent's computed prompt (shared full blocks)."""
         for i, token_id in enumerate(tokens, start=1):
             child = Request(
-                f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.sampling_params,
-                parent.arrival_time_s, parent.eos_token_id, parent.request_id, i,
+                f"{parent.request_id}#{i}",
+                parent.prompt_token_ids,
+                parent.sampling_params,
+                parent.arrival_time_s,
+                parent.eos_token_id,
+                parent.request_id,
+                i,
             )
             self._register(child)
             child.num_computed_tokens = child.prefill_len = parent.num_computed_tokens
@@ -382,8 +406,12 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     # ---- leaving ------------------------------------------------------------------------
-    def abort_request(self, request_id: str, now_s: float | None = None,
-                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+    def abort_request(
+        self,
+        request_id: str,
+        now_s: float | None = None,
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> Request | None:
         """Finish a request in any state (ABORTED or ERROR) and free its blocks at once.
 
         Returns it, or None if unknown here; for a prefill worker's popped handoff it only

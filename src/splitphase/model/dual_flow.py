@@ -185,7 +185,7 @@ class DualFlowTransformer(Transformer):
             xa = aux_layer(layer, cp, xa, layer_taps, cos_a, sin_a, ctx, s)
         return self.norm(x), self.norm(xa)
 
-    def _outputs(
+    def flow_outputs(
         self, hidden_p: torch.Tensor, hidden_q: torch.Tensor | None, grouped: bool
     ) -> FlowOutput:
         if hidden_q is None:  # aux off: the prediction is the primary's
@@ -204,7 +204,7 @@ class DualFlowTransformer(Transformer):
         """Teacher-forced pass, both flows at every position: logits (B, T, V), alpha (B, T)."""
         positions = torch.arange(ids.shape[1], device=ids.device)
         hidden_p, hidden_q = self.run_flows(ids, positions, StoredKV(), ids.shape[1])
-        return self._outputs(hidden_p, hidden_q, grouped=False)
+        return self.flow_outputs(hidden_p, hidden_q, grouped=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced log P (B, T, V), fp32: cross-entropy on it is -log P(y)."""
@@ -216,7 +216,7 @@ class DualFlowTransformer(Transformer):
         hidden_p, hidden_q = self.run_flows(ids, positions, cache, 1, grouped)
         cache.commit()
         last_q = None if hidden_q is None else hidden_q[:, -1]  # (B, D)
-        return self._outputs(hidden_p[:, -1], last_q, grouped)
+        return self.flow_outputs(hidden_p[:, -1], last_q, grouped)
 
     @torch.inference_mode()
     def prefill_flows(
