@@ -88,6 +88,12 @@ def _eval(args: argparse.Namespace) -> None:
     eval_model(args.model, args.max_tokens, args.data_dir, args.json)
 
 
+def _worker(args: argparse.Namespace) -> None:
+    from splitphase.engine.disagg_worker import worker_command
+
+    worker_command(args)
+
+
 def _data(args: argparse.Namespace) -> None:
     from splitphase.data.shards import prepare_default
 
@@ -164,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data-dir")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=_eval)
+
+    from splitphase.engine.disagg_worker import add_worker_arguments
+
+    worker = sub.add_parser("worker", help="one worker of a disaggregated prefill/decode pair")
+    add_worker_arguments(worker)
+    worker.set_defaults(func=_worker)
 
     data = sub.add_parser("data", help="corpus preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from splitphase.engine.async_engine import AsyncEngine
 from splitphase.engine.config import EngineConfig
 from splitphase.engine.disagg import DisaggConfig, DisaggregatedEngine, WorkerDiedError
+from splitphase.engine.disagg_control import free_port
 from splitphase.engine.disagg_frontend import FrontendState
 from splitphase.engine.disagg_protocol import (
     ClockStamp,
@@ -32,8 +35,10 @@ from splitphase.model.checkpoint import save_checkpoint
 
 PROMPTS = [[0, *range(5, 5 + n)] for n in (3, 17, 40, 9, 33)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-SEEDED = [SamplingParams(max_tokens=10, temperature=0.9, top_k=40, seed=100 + i, ignore_eos=True)
-          for i in range(len(PROMPTS))]
+SEEDED = [
+    SamplingParams(max_tokens=10, temperature=0.9, top_k=40, seed=100 + i, ignore_eos=True)
+    for i in range(len(PROMPTS))
+]
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
 
@@ -69,9 +74,15 @@ def assert_gone(pids):
 @pytest.fixture(scope="module")
 def mixed(tiny_model, tokenizer):
     def go(prompts, params=GREEDY):
-        with torch.inference_mode():
-            engine = LLMEngine(tiny_model, tokenizer, EngineConfig(policy="mixed", num_blocks=64))
-            return run(engine, prompts, params)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # 2 shared cores: more threads only wait on each other
+        try:
+            with torch.inference_mode():
+                cfg = EngineConfig(policy="mixed", num_blocks=64)
+                return run(LLMEngine(tiny_model, tokenizer, cfg), prompts, params)
+        finally:
+            torch.set_num_threads(threads)
+
     return go
 
 
@@ -100,8 +111,9 @@ def test_greedy_matches_mixed(pair, mixed):
     for o in outs:  # timings rebuilt on the front end's clock from both workers' records
         req = o.request
         assert 0 <= req.queue_s <= req.ttft_s and req.tpot_s > 0
-        assert len(req.inter_token_s) == 11 and req.decode_s == pytest.approx(sum(
-            req.inter_token_s))
+        assert len(req.inter_token_s) == 11 and req.decode_s == pytest.approx(
+            sum(req.inter_token_s)
+        )
     roles = {(s.role, s.phase) for s in pair.steps}
     assert ("prefill", "prefill") in roles and ("decode", "decode") in roles
     assert {r for r, _ in roles} == {"prefill", "decode"}
@@ -133,10 +145,28 @@ def test_abort_frees_blocks_on_both_workers(pair):
         assert usage["num_running"] == usage["num_waiting"] == usage["num_pending_kv"] == 0
 
 
+def test_killed_prefill_worker_lets_the_decode_worker_finish(pair, mixed):
+    a = pair.add_request(PROMPTS[0], LONG)
+    step_until(pair, lambda seen: a in seen and len(seen[a].token_ids) >= 2)  # decoding now
+    old = dict(pair.worker_pids)
+    os.kill(old["prefill"], signal.SIGKILL)
+    seen = step_until(pair, lambda seen: "prefill" in pair.dead_workers)
+    assert a not in seen or not seen[a].finished  # noticed while the decode worker runs it
+    end = step_until(pair, lambda seen: a in seen and seen[a].finished)[a]
+    assert end.finish_reason == "length"
+    assert end.token_ids == mixed(PROMPTS[:1], LONG)[0].token_ids
+    with pytest.raises(WorkerDiedError, match="prefill worker"):
+        pair.add_request(PROMPTS[0])
+    pair.restart()
+    assert_gone(old.values())
+
+
 def test_killed_decode_worker_fails_its_requests_then_restart(pair, mixed):
     ids = [pair.add_request(p, LONG) for p in PROMPTS[:3]]
-    step_until(pair, lambda seen: all(len(seen[i].token_ids) >= 2 for i in ids if i in seen)
-               and len(seen) == 3)
+    step_until(
+        pair,
+        lambda seen: all(len(seen[i].token_ids) >= 2 for i in ids if i in seen) and len(seen) == 3,
+    )
     old = dict(pair.worker_pids)
     os.kill(old["decode"], signal.SIGKILL)
     t0 = time.monotonic()
@@ -156,6 +186,45 @@ def test_killed_decode_worker_fails_its_requests_then_restart(pair, mixed):
     assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS[:2])]
 
 
+def test_workers_started_by_hand_dial_in(checkpoint, mixed, monkeypatch):
+    """The two-host recipe, on one host: `splitphase worker` processes, then the front end."""
+    control, dist_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    monkeypatch.setenv("SPLITPHASE_AUTHKEY", "ab" * 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "splitphase.engine.disagg_worker",
+                "--role",
+                role,
+                "--model",
+                checkpoint,
+                "--control",
+                f"127.0.0.1:{control}",
+                "--dist-init",
+                f"tcp://127.0.0.1:{dist_port}",
+                "--num-blocks",
+                "64",
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        for role in ("decode", "prefill")  # any order: workers retry until the front end listens
+    ]
+    try:
+        cfg = DisaggConfig(model=checkpoint, spawn_workers=False, control_port=control)
+        with DisaggregatedEngine(cfg) as engine:
+            outs = run(engine, PROMPTS[:2])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS[:2])]
+        assert [p.wait(timeout=10) for p in procs] == [0, 0]  # close() shut them down
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 # ---- LLM(policy="disaggregated") and AsyncEngine, with decode-side preemption ---------------
 # 4 blocks of 16: 14/30/14-token prompts fit together, then outgrow the decode pool together.
 TIGHT = [[0, *range(5, 5 + n)] for n in (13, 29, 13)]
@@ -165,8 +234,9 @@ TIGHT = [[0, *range(5, 5 + n)] for n in (13, 29, 13)]
 def llm(tiny_model, tokenizer):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")  # the workers inherit it: one torch thread each
-        llm = LLM(tiny_model, tokenizer, policy="disaggregated", num_blocks=4,
-                  max_num_batched_tokens=64)
+        llm = LLM(
+            tiny_model, tokenizer, policy="disaggregated", num_blocks=4, max_num_batched_tokens=64
+        )
     yield llm
     pids = list(llm.engine.worker_pids.values())
     llm.close()
@@ -209,8 +279,10 @@ def test_records_that_overtake_the_first_token_wait_for_it():
     (out,) = state.collect()
     assert out.token_ids == [7, 8, 9] and out.text == out.delta == "abc"
     assert out.request.ttft_s == pytest.approx(0.2) and out.request.queue_s == pytest.approx(0.1)
-    aborts, _ = state.apply("decode", WorkerUpdate(outputs=[
-        OutputRecord("gone", 3, [1], [0.5], [], "", False, None, None)]))
+    aborts, _ = state.apply(
+        "decode",
+        WorkerUpdate(outputs=[OutputRecord("gone", 3, [1], [0.5], [], "", False, None, None)]),
+    )
     assert aborts == ["gone"]  # a request the front end let go of: stop it over there
 
 
@@ -225,9 +297,14 @@ def test_request_meta_round_trip_shifts_foreign_clocks():
 
 
 def test_worker_options_round_trip_through_the_command_line():
-    opts = WorkerOptions("decode", "small", "10.0.0.1:7100", "tcp://10.0.0.1:29500",
-                         threads=2, engine={"num_blocks": 8, "enable_prefix_caching": False,
-                                            "kv_memory_fraction": 0.5})
+    opts = WorkerOptions(
+        "decode",
+        "small",
+        "10.0.0.1:7100",
+        "tcp://10.0.0.1:29500",
+        threads=2,
+        engine={"num_blocks": 8, "enable_prefix_caching": False, "kv_memory_fraction": 0.5},
+    )
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
     assert options_from_args(parser.parse_args(opts.to_argv())) == opts

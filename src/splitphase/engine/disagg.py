@@ -15,8 +15,9 @@ outputs equal a colocated run). It is single-threaded, like LLMEngine: `step()` 
 Two machines (A: front end and prefill worker; B: decode worker). Every process needs the same
 key in $SPLITPHASE_AUTHKEY (e.g. `export SPLITPHASE_AUTHKEY=$(openssl rand -hex 32)`):
 
-    A$ python -c 'from splitphase.engine.disagg import *; e = DisaggregatedEngine(DisaggConfig(
-           model="small", spawn_workers=False, host="0.0.0.0", control_port=7100)); ...'
+    A$ python  # or the server, with AsyncEngine(engine)
+    >>> cfg = DisaggConfig(model="small", spawn_workers=False, host="0.0.0.0", control_port=7100)
+    >>> engine = DisaggregatedEngine(cfg)  # waits (startup_timeout_s) for both workers
     A$ splitphase worker --role prefill --model small --control A:7100 --dist-init tcp://A:29500
     B$ splitphase worker --role decode --model small --control A:7100 --dist-init tcp://A:29500
 
@@ -40,29 +41,32 @@ saves it (and the tokenizer) to a temporary checkpoint that `close()` removes.
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
 import tempfile
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
+from splitphase.engine.disagg_config import DisaggConfig, WorkerDiedError, WorkerStepRecord
 from splitphase.engine.disagg_control import (
     ControlServer,
     WorkerHandle,
     WorkerStartError,
     await_workers,
+    cleanup,
     describe_exit,
     free_port,
+    resolve_authkey,
+    save_tokenizer,
     spawn_worker,
     stop_processes,
 )
 from splitphase.engine.disagg_frontend import FrontendState
-from splitphase.engine.disagg_protocol import AUTHKEY_ENV, ROLES, AddRequest, ClockStamp
-from splitphase.engine.disagg_worker import ENGINE_FIELDS, WorkerOptions, load_worker_tokenizer
-from splitphase.engine.kv_transfer import BACKENDS
+from splitphase.engine.disagg_loops import load_worker_tokenizer
+from splitphase.engine.disagg_protocol import ROLES, AddRequest, ClockStamp
+from splitphase.engine.disagg_worker import WorkerOptions
 from splitphase.engine.llm_engine import RequestOutput, StepFailedError, StepRecord
 from splitphase.engine.request import RequestStatus
 from splitphase.engine.sampling_params import SamplingParams
@@ -71,62 +75,13 @@ from splitphase.model.checkpoint import read_config, resolve_model_dir, save_che
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import TORCH_DTYPES, Transformer
 
-__all__ = ["DisaggConfig", "DisaggregatedEngine", "WorkerDiedError", "WorkerStartError"]
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker of the pair is gone; its requests ended with errors. Call restart()."""
-
-
-@dataclass(frozen=True)
-class WorkerStepRecord(StepRecord):
-    """A worker's engine step, tagged with the worker's role."""
-
-    role: str = ""
-
-
-@dataclass(frozen=True)
-class DisaggConfig:
-    """Where the two workers run, how they talk, and the engine options of each."""
-
-    model: str  # embedded name or checkpoint directory, loaded by each worker
-    tokenizer_dir: str | None = None  # default: the model's own tokenizer
-    prefill_device: str = "cpu"
-    decode_device: str = "cpu"
-    dtype: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields, both workers
-    decode_engine: dict[str, Any] = field(default_factory=dict)  # decode overrides (its pool)
-    host: str = "127.0.0.1"  # the control listener; also the local pair's process group
-    control_port: int = 0  # 0: any free port (local workers are told which)
-    spawn_workers: bool = True  # False: wait for `splitphase worker` processes to dial in
-    backend: str = "auto"  # auto: nccl when both local workers are on distinct GPUs, else gloo
-    timeout_s: float = 60.0  # transfer timeout and the longest silence tolerated of a worker
-    startup_timeout_s: float = 120.0
-    worker_threads: int | None = None  # torch threads per local worker
-    poll_s: float = 0.01  # how long step() waits for news when none is there
-
-    def __post_init__(self) -> None:
-        for name in ("engine", "decode_engine"):
-            bad = sorted(set(getattr(self, name)) - set(ENGINE_FIELDS))
-            if bad:
-                raise UserError(f"unknown {name} options {bad}; known: {list(ENGINE_FIELDS)}")
-        if self.backend not in BACKENDS:
-            raise UserError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("timeout_s", "startup_timeout_s", "poll_s"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-
-    def local_backend(self) -> str:
-        """The backend both local workers use (nccl cannot pair two ranks on one GPU)."""
-        if self.backend != "auto":
-            return self.backend
-        devices = {_canonical(self.prefill_device), _canonical(self.decode_device)}
-        two_gpus = len(devices) == 2 and all(d.startswith("cuda") for d in devices)
-        return "nccl" if two_gpus else "gloo"
-
-
-def _canonical(device: str) -> str:
-    return "cuda:0" if device == "cuda" else device
+__all__ = [
+    "DisaggConfig",
+    "DisaggregatedEngine",
+    "WorkerDiedError",
+    "WorkerStartError",
+    "WorkerStepRecord",
+]
 
 
 class DisaggregatedEngine:
@@ -149,14 +104,11 @@ class DisaggregatedEngine:
         self._ids = itertools.count()
         self._closed = False
         self._max_model_len = 0
-        key = os.environ.get(AUTHKEY_ENV)
-        if not key and not config.spawn_workers:
-            raise UserError(f"set ${AUTHKEY_ENV} (hex) to the key the workers will use")
-        self._authkey = bytes.fromhex(key) if key else secrets.token_bytes(32)
+        self._authkey = resolve_authkey(config.spawn_workers)
         self._procs: list[Any] = []  # local processes, for the finalizer too
         self._server = ControlServer(config.host, config.control_port, self._authkey)
         # Kills local workers and removes the temp checkpoint even if close() is never called.
-        self._finalizer = weakref.finalize(self, _cleanup, self._procs, self._server, owned_dir)
+        self._finalizer = weakref.finalize(self, cleanup, self._procs, self._server, owned_dir)
         try:
             self._start_workers()
         except BaseException:
@@ -176,12 +128,16 @@ class DisaggregatedEngine:
         policy, role = engine_kwargs.pop("policy", "disaggregated"), engine_kwargs.pop("role", None)
         if policy != "disaggregated" or role is not None:
             raise UserError("a disaggregated engine runs both roles: drop policy/role options")
+        in_memory = isinstance(model, Transformer)
         owned = None
-        if isinstance(model, Transformer) or tokenizer is not None:
+        if in_memory or tokenizer is not None:  # workers read both from disk
             owned = tempfile.TemporaryDirectory(prefix="splitphase-disagg-")
-            _save_tokenizer(tokenizer or Tokenizer.default(), owned.name)
-        path = model if isinstance(model, str) else owned.name  # type: ignore[union-attr]
-        if isinstance(model, Transformer):
+            save_tokenizer(tokenizer or Tokenizer.default(), owned.name)
+        if isinstance(model, str):
+            path = model
+        else:
+            assert owned is not None
+            path = owned.name
             # Stored in the dtype it computes in now (it may have been cast after building).
             dtype = dtype or {v: k for k, v in TORCH_DTYPES.items()}[model.dtype]
             save_checkpoint(model, path, dtype=dtype)
@@ -222,7 +178,8 @@ class DisaggregatedEngine:
                 )
                 procs[role] = spawn_worker(opts, self._authkey)
                 self._procs.append(procs[role])
-        self._workers = await_workers(self._server, session, procs, cfg.startup_timeout_s)
+        ready = await_workers(self._server, session, procs, cfg.startup_timeout_s)
+        self._workers = {role: ready[role] for role in ROLES}  # prefill first, always
         self._max_model_len = min(w.info["max_model_len"] for w in self._workers.values())
 
     def restart(self) -> None:
@@ -264,7 +221,13 @@ class DisaggregatedEngine:
         return {role: w.pid for role, w in self._workers.items()}
 
     @property
+    def dead_workers(self) -> dict[str, str]:
+        """Role -> why, for each worker lost since the last (re)start (for health checks)."""
+        return dict(self._dead)
+
+    @property
     def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) both workers can hold."""
         return self._max_model_len
 
     # ---- requests ---------------------------------------------------------------------------
@@ -278,6 +241,8 @@ class DisaggregatedEngine:
     ) -> str:
         """Queue a request (text or token ids) on the prefill worker; returns its id."""
         self._check_open()
+        self._pump(0.0)  # a worker that died while we were idle is noticed here, not later
+        self._check_liveness()
         if self._broken is not None:
             raise WorkerDiedError(f"{self._broken}; call restart() for a fresh worker pair")
         params = params or SamplingParams()
@@ -318,6 +283,7 @@ class DisaggregatedEngine:
                 self._send(role, ("abort", ids))
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request still owes an output (or an error)."""
         return self._state.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
@@ -432,32 +398,3 @@ def _try_send(w: WorkerHandle, msg: tuple[Any, ...]) -> bool:
         return True
     except OSError:
         return False
-
-
-def _save_tokenizer(tokenizer: Tokenizer, out_dir: str) -> None:
-    """tokenizer.json plus bos/eos, so workers decode and stop exactly as the front end."""
-    import json
-
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    special = {
-        name: tokenizer.hf.id_to_token(i)
-        for name, i in (
-            ("bos_token", tokenizer.bos_token_id),
-            ("eos_token", tokenizer.eos_token_id),
-        )
-        if i is not None
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(special, f)
-
-
-def _cleanup(
-    procs: list[Any], server: ControlServer, owned: tempfile.TemporaryDirectory[str] | None
-) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    server.close()
-    if owned is not None:
-        owned.cleanup()

@@ -8,12 +8,15 @@ a worker that dies before dialing then costs a timeout, never a hang.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +25,8 @@ from typing import Any
 
 from splitphase.engine.disagg_protocol import AUTHKEY_ENV, ROLES, Hello
 from splitphase.engine.disagg_worker import WorkerOptions
+from splitphase.errors import UserError
+from splitphase.model.tokenizer import Tokenizer
 
 
 class WorkerStartError(RuntimeError):
@@ -42,6 +47,7 @@ class WorkerHandle:
 
     @property
     def pid(self) -> int:
+        """The worker's process id, on its own host."""
         return self.hello.pid
 
 
@@ -87,6 +93,19 @@ class ControlServer:
         self._listener.close()
         while (conn := self.next_connection(0.0)) is not None:
             conn.close()
+
+
+def resolve_authkey(spawn_workers: bool) -> bytes:
+    """$SPLITPHASE_AUTHKEY, or a fresh key for workers we start (they get it by environment)."""
+    key = os.environ.get(AUTHKEY_ENV, "")
+    try:
+        if key:
+            return bytes.fromhex(key)
+    except ValueError:
+        raise UserError(f"${AUTHKEY_ENV} must be hex, got {key!r}") from None
+    if not spawn_workers:
+        raise UserError(f"set ${AUTHKEY_ENV} (hex) to the key the workers will use")
+    return secrets.token_bytes(32)
 
 
 def free_port(host: str) -> int:
@@ -187,3 +206,31 @@ def _on_ready(
     if msg[0] != "ready":
         raise WorkerStartError(f"the {role} worker sent {msg[0]!r} before 'ready'")
     return WorkerHandle(role, conn, proc, msg[1], hello)
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str) -> None:
+    """tokenizer.json plus bos/eos, so workers decode and stop exactly as the front end."""
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    special = {
+        name: tokenizer.hf.id_to_token(i)
+        for name, i in (
+            ("bos_token", tokenizer.bos_token_id),
+            ("eos_token", tokenizer.eos_token_id),
+        )
+        if i is not None
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(special, f)
+
+
+def cleanup(
+    procs: list[Any], server: ControlServer, owned: tempfile.TemporaryDirectory[str] | None
+) -> None:
+    """Kill local workers still running, stop listening, remove the temporary checkpoint."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    server.close()
+    if owned is not None:
+        owned.cleanup()

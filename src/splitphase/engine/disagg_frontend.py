@@ -90,9 +90,11 @@ class FrontendState:
         return failed, self._fail_reason
 
     def has_news(self) -> bool:
+        """True if the next collect() or take_failed() has something to hand out."""
         return bool(self._touched or self._ended or self._failed)
 
     def has_unfinished(self) -> bool:
+        """True while any request is live or has news pending."""
         return bool(self.live) or self.has_news()
 
     def apply(self, role: str, update: WorkerUpdate) -> tuple[list[str], list[dict[str, Any]]]:

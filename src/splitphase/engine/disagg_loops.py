@@ -1,4 +1,6 @@
-"""The worker loops of a disaggregated pair: commands in, one engine step, records out.
+"""A worker process of a disaggregated pair: connect, build the engine, loop.
+
+`run_worker` dials the front end, loads the model, joins the process group and runs the loop.
 
 Both roles: handle the front end's commands, run one `LLMEngine` step, report new tokens as
 `OutputRecord`s (only tokens not reported before; times relative to arrival, so clocks need
@@ -10,16 +12,28 @@ and reports the requests it preempted, for the front end to route back to the pr
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
 import time
 import traceback
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Client, Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from splitphase.engine.disagg_protocol import AddRequest, OutputRecord, WorkerUpdate
+from splitphase.engine.config import EngineConfig
+from splitphase.engine.disagg_protocol import (
+    AUTHKEY_ENV,
+    ROLES,
+    AddRequest,
+    Hello,
+    OutputRecord,
+    WorkerUpdate,
+    parse_host_port,
+)
+from splitphase.engine.disagg_worker import WorkerOptions
 from splitphase.engine.kv_transfer import (
     KVReceiver,
     KVSender,
@@ -27,13 +41,19 @@ from splitphase.engine.kv_transfer import (
     empty_kv,
     handoff_from_meta,
     handoff_meta,
+    init_transfer_group,
+    resolve_backend,
 )
-from splitphase.engine.llm_engine import Handoff, LLMEngine, RequestOutput, StepFailedError
+from splitphase.engine.llm_engine import LLMEngine, RequestOutput, StepFailedError
+from splitphase.errors import UserError
+from splitphase.model.checkpoint import load_model, resolve_model_dir
+from splitphase.model.tokenizer import Tokenizer
 
 HEARTBEAT_S = 1.0  # control-plane beat while idle, so the front end can tell quiet from dead
 
 
 def try_send(conn: Connection, msg: object) -> None:
+    """Send if the connection is still open (a last word to a front end that may be gone)."""
     with contextlib.suppress(OSError):
         conn.send(msg)
 
@@ -65,24 +85,6 @@ def error_record(request_id: str, first_index: int) -> OutputRecord:
     return OutputRecord(request_id, first_index, [], [], [], "", True, "error", None)
 
 
-def _restore_sampler(engine: LLMEngine, h: Handoff) -> None:
-    # LLMEngine.add_prefilled restores the RNG but not the token counts behind presence and
-    # frequency penalties; until it does, set them here (the only reach into its internals).
-    engine._tracked[h.request.request_id].sampling.output_counts.update(h.request.output_token_ids)
-
-
-def readmit_preempted(engine: LLMEngine, h: Handoff) -> None:
-    """Prefill role: take back a request the decode worker preempted, for a fresh prefill."""
-    # LLMEngine has no public entry for this yet (add_prefilled is decode-only); mirror it.
-    req = h.request
-    t = engine._track(req, req.sampling_params)
-    t.sampling.generator.set_state(h.generator_state)
-    engine._feed(t, len(req.output_token_ids))
-    t.sent_chars, t.sent_tokens = h.sent_chars, h.sent_tokens
-    _restore_sampler(engine, h)
-    engine.scheduler.add_request(req)  # PREEMPTED: recomputes prompt + outputs, samples next
-
-
 class WorkerLoop:
     """The worker loop shared by both roles."""
 
@@ -94,6 +96,7 @@ class WorkerLoop:
         self._update = WorkerUpdate()
 
     def run(self) -> None:
+        """Serve until told to stop; EOFError when the front end goes away."""
         while not self._stop:
             busy = self.engine.has_unfinished_requests()
             self._poll(0.0 if busy else HEARTBEAT_S)
@@ -106,9 +109,11 @@ class WorkerLoop:
             self._report()
 
     def close(self) -> None:
+        """Leave the process group."""
         close_transfer_group()
 
     def waitables(self) -> list[Any]:
+        """What the idle wait wakes up for."""
         return [self.conn]
 
     def _poll(self, timeout_s: float) -> None:
@@ -128,24 +133,24 @@ class WorkerLoop:
             for rid in msg[1]:
                 self.engine.abort_request(rid)
         elif kind == "usage":
-            bm = self.engine.scheduler.block_manager
-            self.conn.send(
-                (
-                    "usage",
-                    {
-                        "num_blocks": bm.num_free_blocks + bm.num_used_blocks,
-                        "num_used_blocks": bm.num_used_blocks,
-                        "num_free_blocks": bm.num_free_blocks,
-                        "num_running": self.engine.scheduler.num_running,
-                        "num_waiting": self.engine.scheduler.num_waiting,
-                        "num_pending_kv": len(self.engine.kv_payloads),
-                    },
-                )
-            )
+            self.conn.send(("usage", self.usage()))
         else:
             self.handle_role(msg)
 
+    def usage(self) -> dict[str, int]:
+        """KV blocks and queues of this worker, for the front end's `block_usage()`."""
+        bm, sched = self.engine.scheduler.block_manager, self.engine.scheduler
+        return {
+            "num_blocks": bm.num_free_blocks + bm.num_used_blocks,
+            "num_used_blocks": bm.num_used_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "num_pending_kv": len(self.engine.kv_payloads),
+        }
+
     def handle_role(self, msg: tuple[Any, ...]) -> None:
+        """Hook: commands only one role takes."""
         raise ValueError(f"unknown command {msg[0]!r}")
 
     def before_step(self) -> None:
@@ -184,6 +189,8 @@ class WorkerLoop:
 
 
 class PrefillLoop(WorkerLoop):
+    """Prompts in; first tokens to the front end, K/V to the decode worker."""
+
     def __init__(self, conn: Connection, engine: LLMEngine, sender: KVSender) -> None:
         super().__init__(conn, engine)
         self.sender = sender
@@ -194,7 +201,7 @@ class PrefillLoop(WorkerLoop):
         elif msg[0] == "readmit":
             h = handoff_from_meta(msg[1], empty_kv(msg[1]), empty_kv(msg[1]))
             try:
-                readmit_preempted(self.engine, h)
+                self.engine.readmit_preempted(h)
                 self._sent[h.request.request_id] = h.sent_tokens
             except Exception as exc:
                 print(f"readmit of {h.request.request_id} failed: {exc!r}", file=sys.stderr)
@@ -234,6 +241,8 @@ class PrefillLoop(WorkerLoop):
 
 
 class DecodeLoop(WorkerLoop):
+    """Handoffs in from the KV receiver; decode tokens to the front end."""
+
     def __init__(self, conn: Connection, engine: LLMEngine, wire: torch.device) -> None:
         super().__init__(conn, engine)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -252,7 +261,6 @@ class DecodeLoop(WorkerLoop):
             rid = h.request.request_id
             try:
                 self.engine.add_prefilled(h)
-                _restore_sampler(self.engine, h)
             except Exception as exc:
                 print(f"adopting {rid} failed: {exc!r}", file=sys.stderr)
                 self._update.outputs.append(error_record(rid, h.sent_tokens))
@@ -281,3 +289,87 @@ class DecodeLoop(WorkerLoop):
 def _try_wake(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.send(b"x")
+
+
+def _authkey() -> bytes:
+    key = os.environ.get(AUTHKEY_ENV, "")
+    with contextlib.suppress(ValueError):
+        if key:
+            return bytes.fromhex(key)
+    raise UserError(f"${AUTHKEY_ENV} must hold the front end's key in hex, got {key!r}")
+
+
+def _connect(address: str, key: bytes, timeout_s: float) -> Connection:
+    """Dial the front end, retrying while it is not listening yet (start order is free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(parse_host_port(address, "--control"), authkey=key)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"nothing listens at --control {address} after {timeout_s:.0f} s;"
+                    " start the front end there (or fix the address)"
+                ) from None
+            time.sleep(0.5)
+
+
+def load_worker_tokenizer(model: str, tokenizer_dir: str | None) -> Tokenizer:
+    """The tokenizer of `tokenizer_dir` (or of the model dir), else the shipped one."""
+    path = Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model_dir(model)
+    if (path / "tokenizer_config.json").exists():
+        return Tokenizer.from_pretrained_dir(path)  # keeps a non-default bos/eos
+    if (path / "tokenizer.json").exists():
+        return Tokenizer.from_file(path / "tokenizer.json")
+    return Tokenizer.default()
+
+
+def run_worker(opts: WorkerOptions) -> int:
+    """Connect, load, join the process group, serve; returns the exit code."""
+    key = _authkey()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    conn = _connect(opts.control, key, opts.timeout_s)
+    conn.send(("hello", Hello(opts.role, opts.session, os.getpid(), socket.gethostname())))
+    loop: WorkerLoop | None = None
+    try:
+        loop = _build(opts, conn)
+        loop.run()
+        return 0
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        return 0  # Ctrl-C, or the front end went away: nothing left to serve
+    except BaseException as exc:
+        traceback.print_exc()
+        try_send(conn, ("fatal", f"{exc!r}"))
+        return 1
+    finally:
+        if loop is not None:
+            loop.close()
+        conn.close()
+
+
+def _build(opts: WorkerOptions, conn: Connection) -> WorkerLoop:
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = load_model(opts.model, device=device, dtype=opts.dtype)
+    tokenizer = load_worker_tokenizer(opts.model, opts.tokenizer)
+    cfg = EngineConfig(policy="disaggregated", role=opts.role, **opts.engine)
+    engine = LLMEngine(model, tokenizer, cfg)
+    backend = resolve_backend(opts.backend, device)
+    init_transfer_group(opts.dist_init, ROLES.index(opts.role), backend, opts.timeout_s)
+    wire = device if backend == "nccl" else torch.device("cpu")
+    conn.send(
+        (
+            "ready",
+            {
+                "max_model_len": engine.max_model_len,
+                "vocab_size": model.cfg.vocab_size,
+                "num_blocks": engine.cache.num_blocks,
+                "backend": backend,
+            },
+        )
+    )
+    if opts.role == "prefill":
+        return PrefillLoop(conn, engine, KVSender(wire, opts.timeout_s))
+    return DecodeLoop(conn, engine, wire)

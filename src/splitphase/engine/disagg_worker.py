@@ -13,31 +13,22 @@ shared key in $SPLITPHASE_AUTHKEY), loads its model, joins the two-rank process 
 
 A worker exits when told to, when the front end's connection closes, or on an error it cannot
 serve through (reported first as `fatal`). See `splitphase.engine.disagg` for the whole pair.
+This module holds the options and the entry points and imports no torch, so `splitphase --help`
+stays fast; the worker process itself is `disagg_loops.run_worker`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from multiprocessing.connection import Client, Connection
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from splitphase.engine.config import EngineConfig
-from splitphase.engine.disagg_loops import DecodeLoop, PrefillLoop, WorkerLoop, try_send
-from splitphase.engine.disagg_protocol import AUTHKEY_ENV, ROLES, Hello, parse_host_port
-from splitphase.engine.kv_transfer import KVSender, init_transfer_group, resolve_backend
-from splitphase.engine.llm_engine import LLMEngine
+from splitphase.engine.disagg_protocol import ROLES
 from splitphase.errors import UserError
-from splitphase.model.checkpoint import load_model, resolve_model_dir
-from splitphase.model.tokenizer import Tokenizer
 
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("policy", "role"))
 
@@ -150,6 +141,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 
 def worker_command(args: argparse.Namespace) -> None:
     """`splitphase worker`: run one worker until the front end shuts it down."""
+    from splitphase.engine.disagg_loops import run_worker  # torch: only when a worker runs
+
     code = run_worker(options_from_args(args))
     if code:
         raise SystemExit(code)
@@ -159,81 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m splitphase.engine.disagg_worker ...` (how the front end launches workers)."""
     p = argparse.ArgumentParser(prog="splitphase worker", description=__doc__.splitlines()[0])
     add_worker_arguments(p)
+    from splitphase.engine.disagg_loops import run_worker
+
     try:
         return run_worker(options_from_args(p.parse_args(argv)))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-
-def _authkey() -> bytes:
-    key = os.environ.get(AUTHKEY_ENV, "")
-    try:
-        return bytes.fromhex(key) if key else b""
-    except ValueError:
-        pass
-    raise UserError(f"${AUTHKEY_ENV} must be set to the front end's key (hex), got {key!r}")
-
-
-def load_worker_tokenizer(model: str, tokenizer_dir: str | None) -> Tokenizer:
-    """The tokenizer of `tokenizer_dir` (or of the model dir), else the shipped one."""
-    path = Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model_dir(model)
-    if (path / "tokenizer_config.json").exists():
-        return Tokenizer.from_pretrained_dir(path)  # keeps a non-default bos/eos
-    if (path / "tokenizer.json").exists():
-        return Tokenizer.from_file(path / "tokenizer.json")
-    return Tokenizer.default()
-
-
-def run_worker(opts: WorkerOptions) -> int:
-    """Connect, load, join the process group, serve; returns the exit code."""
-    key = _authkey()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    conn = Client(parse_host_port(opts.control, "--control"), authkey=key or None)
-    conn.send(("hello", Hello(opts.role, opts.session, os.getpid(), socket.gethostname())))
-    loop: WorkerLoop | None = None
-    try:
-        loop = _build(opts, conn)
-        loop.run()
-        return 0
-    except (KeyboardInterrupt, EOFError, BrokenPipeError):
-        return 0  # Ctrl-C, or the front end went away: nothing left to serve
-    except BaseException as exc:
-        traceback.print_exc()
-        try_send(conn, ("fatal", f"{exc!r}"))
-        return 1
-    finally:
-        if loop is not None:
-            loop.close()
-        conn.close()
-
-
-def _build(opts: WorkerOptions, conn: Connection) -> WorkerLoop:
-    device = torch.device(opts.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model = load_model(opts.model, device=device, dtype=opts.dtype)
-    tokenizer = load_worker_tokenizer(opts.model, opts.tokenizer)
-    cfg = EngineConfig(policy="disaggregated", role=opts.role, **opts.engine)
-    engine = LLMEngine(model, tokenizer, cfg)
-    backend = resolve_backend(opts.backend, device)
-    init_transfer_group(opts.dist_init, ROLES.index(opts.role), backend, opts.timeout_s)
-    wire = device if backend == "nccl" else torch.device("cpu")
-    conn.send(
-        (
-            "ready",
-            {
-                "max_model_len": engine.max_model_len,
-                "vocab_size": model.cfg.vocab_size,
-                "num_blocks": engine.cache.num_blocks,
-                "backend": backend,
-            },
-        )
-    )
-    if opts.role == "prefill":
-        return PrefillLoop(conn, engine, KVSender(wire, opts.timeout_s))
-    return DecodeLoop(conn, engine, wire)
 
 
 if __name__ == "__main__":

@@ -84,9 +84,8 @@ class LLM:
         self.model: Transformer | None
         if engine_kwargs.get("policy") == "disaggregated":
             self.model = model if isinstance(model, Transformer) else None
-            tok = tokenizer or (load_tokenizer_for(model) if isinstance(model, str) else None)
             self.engine = DisaggregatedEngine.launch(
-                model, tok, str(pick_device(device)), dtype, **engine_kwargs
+                model, tokenizer, str(pick_device(device)), dtype, **engine_kwargs
             )
             self.tokenizer = self.engine.tokenizer
             return

@@ -194,6 +194,7 @@ class LLMEngine:
         children = [c.request_id for c in t.request.children] if t is not None else []
         for rid in [request_id, *children]:
             self.scheduler.abort_request(rid, time.perf_counter(), status)
+            self.kv_payloads.pop(rid, None)  # adopted but never loaded: its K/V goes too
 
     # ---- disaggregation: hand requests from a prefill engine to a decode engine ------------
     def pop_handoffs(self) -> list[Handoff]:
@@ -213,15 +214,26 @@ class LLMEngine:
             )
         return handoffs
 
-    def add_prefilled(self, handoff: Handoff) -> None:
-        """Decode role: adopt a request prefilled elsewhere; its K/V loads when it is scheduled."""
-        req, params = handoff.request, handoff.request.sampling_params
-        t = self._track(req, params)
+    def _adopt(self, handoff: Handoff) -> None:
+        """Track a request arriving from the other engine, with its sampler and text state."""
+        req = handoff.request
+        t = self._track(req, req.sampling_params)
         t.sampling.generator.set_state(handoff.generator_state)
+        # The penalties count every output token so far, wherever it was sampled.
+        t.sampling.output_counts.update(req.output_token_ids)
         self._feed(t, len(req.output_token_ids))
         t.sent_chars, t.sent_tokens = handoff.sent_chars, handoff.sent_tokens
-        self.kv_payloads[req.request_id] = (handoff.k, handoff.v)
-        self.scheduler.add_prefilled_request(req)
+
+    def add_prefilled(self, handoff: Handoff) -> None:
+        """Decode role: adopt a request prefilled elsewhere; its K/V loads when it is scheduled."""
+        self._adopt(handoff)
+        self.kv_payloads[handoff.request.request_id] = (handoff.k, handoff.v)
+        self.scheduler.add_prefilled_request(handoff.request)
+
+    def readmit_preempted(self, handoff: Handoff) -> None:
+        """Prefill role: take back a request the decode engine preempted, for a fresh prefill."""
+        self._adopt(handoff)
+        self.scheduler.add_request(handoff.request)  # recomputes prompt + outputs, samples next
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or any(
