@@ -63,6 +63,8 @@ def main(run_dir: str, name: str, command: str) -> None:
             f"{res.continuation_loss:.4f} nats/token over {res.continuation_tokens:,} tokens",
         ),
     ]
+    if summary.get("note"):
+        rows.append(("note", summary["note"]))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     card = f"""# {name}
 

@@ -61,6 +61,50 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from splitphase.commands.serve import serve
+    from splitphase.server.config import ServerConfig
+
+    config = ServerConfig(
+        model=args.model,
+        policy=args.policy,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_num_seqs=args.max_num_seqs,
+        max_queue=args.max_queue,
+        hardware=args.hardware,
+        device=args.device,
+        dtype=args.dtype,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    serve(config, args.host, args.port, args.log_level)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from splitphase.server.config import serve_policies
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with per-phase metrics")
+    sv.add_argument("--model", default="small", help="embedded model name or checkpoint dir")
+    sv.add_argument("--policy", default="chunked", choices=serve_policies(),
+                    help="batching policy of the engine")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set "
+                    "$SPLITPHASE_API_KEY, which keeps it out of the process list)")
+    sv.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    sv.add_argument("--max-queue", type=int, default=1024,
+                    help="sequences waiting beyond the batch before 429")
+    sv.add_argument("--hardware", help="peaks for the utilization gauges (default: cpu "
+                    "measured, or the detected GPU)")
+    sv.add_argument("--served-model-name", help="model id clients send (default: --model)")
+    sv.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    sv.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests may finish after SIGTERM")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.set_defaults(func=_serve)
+
+
 def _train(args: argparse.Namespace) -> None:
     from splitphase.commands.train import train, train_config_from_args
 
@@ -147,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
+    _add_serve(sub)
 
     tr = sub.add_parser("train", help="pretrain a model on the prepared corpus")
     tr.add_argument("--preset", default="small")

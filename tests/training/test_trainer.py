@@ -53,7 +53,9 @@ def test_resume_continues_the_same_run(tmp_path):
     first.train(progress=False, until=20)  # as if the run had been stopped at step 20
     second = Trainer(CFG, train, val, None, tmp_path / "b")
     assert second.resume() and second.step == 20
-    second.train(progress=False)
+    first_segment_s = second.wall_s
+    summary = second.train(progress=False)
+    assert summary["wall_s"] > first_segment_s > 0  # both segments are counted
     for p, q in zip(straight.model.parameters(), second.model.parameters(), strict=True):
         torch.testing.assert_close(p, q)
 

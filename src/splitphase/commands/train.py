@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,16 +38,10 @@ def train(cfg: TrainConfig, out_dir: str, data_dir: str | None, resume: bool) ->
     """Train, print the final metrics and write out_dir/model (a loadable checkpoint)."""
     train_tokens, val_tokens = _load(data_dir, "train"), _load(data_dir, "val")
     trainer = Trainer(cfg, train_tokens, val_tokens, _boundaries(data_dir), out_dir)
-    prior_wall_s = 0.0
-    summary_path = Path(out_dir) / "summary.json"
     if resume and trainer.resume():
-        if summary_path.exists():
-            prior_wall_s = float(json.loads(summary_path.read_text()).get("wall_s", 0.0))
         print(f"resumed at step {trainer.step}")
-    t0 = time.perf_counter()
     summary = trainer.train()
-    summary["wall_s"] = prior_wall_s + time.perf_counter() - t0
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     path = trainer.save(summary)
     print(json.dumps(summary))
     print(f"checkpoint: {path}")

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from splitphase.engine.llm_engine import RequestOutput, StepFailedError
+from splitphase.engine.llm_engine import RequestOutput, StepFailedError, StepRecord
 from splitphase.engine.request import RequestStatus
 from splitphase.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StepEngine(Protocol):
@@ -63,8 +65,19 @@ class _Stream:
 class AsyncEngine:
     """Runs an LLMEngine on a background thread; `generate` yields a request's outputs."""
 
-    def __init__(self, engine: StepEngine, idle_wait_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        engine: StepEngine,
+        idle_wait_s: float = 0.005,
+        on_steps: Callable[[Sequence[StepRecord]], None] | None = None,
+        max_step_records: int | None = None,
+    ) -> None:
         self.engine = engine
+        # Called on the engine thread with each batch of new `engine.steps` records (metrics).
+        self.on_steps = on_steps
+        # A server runs for days: keep at most this many records in `engine.steps`.
+        self.max_step_records = max_step_records
+        self._steps_seen = 0
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             queue.Queue()
         )
@@ -101,7 +114,14 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._commands.put((fn, fut))
+        if not self.is_running:  # the loop stopped between the check and the put
+            self._fail_commands(EngineDeadError("the engine loop is not running"))
         return await asyncio.wrap_future(fut)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two steps and return its result."""
+        result: T = await self._call(fn)
+        return result
 
     async def generate(
         self,
@@ -164,6 +184,17 @@ class AsyncEngine:
                 return
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # an engine bug must not leave streams waiting forever
+            log.exception("the engine loop crashed")
+            self.error_count += 1
+        finally:
+            why = "the engine was shut down" if self._stop.is_set() else "the engine loop crashed"
+            self._fail_in_flight(EngineDeadError(why))
+            self._fail_commands(EngineDeadError(why))
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
             if not self.engine.has_unfinished_requests():
@@ -177,22 +208,55 @@ class AsyncEngine:
                 for rid in exc.request_ids:
                     self._deliver(rid, EngineStepError(f"request {rid} failed: {exc.cause!r}"))
                     self._streams.pop(rid, None)
+                self._publish_steps()
                 continue
             self.last_step_s = time.monotonic()
             for out in outputs:
                 self._deliver(out.request_id, out)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-        self._fail_in_flight(EngineDeadError("the engine was shut down"))
+            self._publish_steps()
+
+    def _publish_steps(self) -> None:
+        """Hand new StepRecords to `on_steps`, then trim `engine.steps` to `max_step_records`."""
+        steps: list[StepRecord] | None = getattr(self.engine, "steps", None)
+        if steps is None:
+            return
+        self._steps_seen = min(self._steps_seen, len(steps))  # the engine may have reset it
+        if self.on_steps is not None and len(steps) > self._steps_seen:
+            try:
+                self.on_steps(steps[self._steps_seen :])
+            except Exception:  # a metrics bug must not stop serving
+                log.exception("on_steps callback failed")
+        if self.max_step_records is not None and len(steps) > self.max_step_records:
+            del steps[: len(steps) - self.max_step_records]
+        self._steps_seen = len(steps)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                self._streams.pop(rid, None)
+
+    def _fail_commands(self, exc: BaseException) -> None:
+        """Fail commands still queued when the loop stops, so no caller awaits forever."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    fut.set_exception(exc)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         """End every tracked request with an error (their blocks are freed)."""
         for rid in list(self._streams):
-            self.engine.abort_request(rid, RequestStatus.FINISHED_ERROR)
+            try:
+                self.engine.abort_request(rid, RequestStatus.FINISHED_ERROR)
+            except Exception:  # a broken engine still owes its callers an answer
+                log.exception("abort of %s failed", rid)
             self._deliver(rid, exc)
             self._streams.pop(rid, None)

@@ -122,6 +122,7 @@ class Trainer:
         self.rng = np.random.default_rng(cfg.seed)
         self.step = 0
         self.best_val = float("inf")
+        self.wall_s = 0.0  # training time of all segments of this run, saved across resumes
 
     def _save_state(self) -> None:
         state = {
@@ -130,6 +131,7 @@ class Trainer:
             "step": self.step,
             "rng": self.rng.bit_generator.state,
             "best_val": self.best_val,
+            "wall_s": self.wall_s,
         }
         torch.save(state, self.out / STATE_FILE)
 
@@ -142,6 +144,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.best_val = state["step"], state["best_val"]
+        self.wall_s = float(state.get("wall_s", 0.0))
         self.rng.bit_generator.state = state["rng"]
         return True
 
@@ -182,7 +185,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
         t_start = time.perf_counter()
-        start_step = self.step
+        start_step, prior_wall_s = self.step, self.wall_s
         bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not progress, unit="step")
         metrics: dict[str, Any] = {}
         last = self.cfg.steps if until is None else min(until, self.cfg.steps)
@@ -203,16 +206,17 @@ class Trainer:
                 metrics = self._evaluate()
                 record.update(metrics)
                 self.best_val = min(self.best_val, metrics["val_loss"])
+                self.wall_s = prior_wall_s + time.perf_counter() - t_start
                 self._save_state()
             self._log(record)
         bar.close()
-        wall = time.perf_counter() - t_start
+        self.wall_s = prior_wall_s + time.perf_counter() - t_start
         metrics = metrics or self._evaluate()
         return {
             **metrics,
             "steps": self.step,
             "train_tokens": self.step * tokens_per_step,
-            "wall_s_this_run": wall,
+            "wall_s": self.wall_s,
         }
 
     def save(self, summary: dict[str, Any]) -> Path:

@@ -1,0 +1,80 @@
+"""What one `splitphase serve` process serves and how it guards itself: a validated dataclass."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from splitphase.errors import UserError
+
+MAX_BODY_BYTES = 4 * 2**20  # 4 MiB: a batch of 2k-token prompts is far smaller; a book is not
+
+
+def serve_policies() -> tuple[str, ...]:
+    """Policies `serve` accepts: disaggregated only where its engine module is installed."""
+    base = ("mixed", "chunked")
+    if importlib.util.find_spec("splitphase.engine.disagg") is not None:
+        return (*base, "disaggregated")
+    return base
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Model, engine limits, admission limits and shutdown behaviour of one server."""
+
+    model: str = "small"
+    policy: str = "chunked"
+    served_model_name: str | None = None  # the `model` id clients send; default: `model`
+    api_key: str | None = None
+    max_num_seqs: int = 64
+    max_queue: int = 1024  # sequences waiting beyond max_num_seqs before 429
+    hardware: str | None = None  # peaks for the utilization gauges; None: cpu on CPU, else guess
+    device: str = "auto"
+    dtype: str | None = None
+    num_blocks: int | None = None  # KV pool size override (tests); None: the memory budget
+    max_body_bytes: int = MAX_BODY_BYTES
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    health_stall_s: float = 30.0  # /health fails when work waits and no step ended this long
+    utilization_window_s: float = 10.0  # the utilization gauges average steps this recent
+    max_step_records: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.policy not in serve_policies():
+            raise UserError(
+                f"--policy must be one of {', '.join(serve_policies())}, got {self.policy!r}"
+                + (
+                    " (splitphase.engine.disagg is not installed)"
+                    if self.policy == "disaggregated"
+                    else ""
+                )
+            )
+        for name in ("max_num_seqs", "max_body_bytes", "max_step_records"):
+            value = getattr(self, name)
+            if value < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_queue < 0:
+            raise UserError(f"--max-queue must be >= 0, got {self.max_queue}")
+        for name in ("shutdown_timeout_s", "health_stall_s", "utilization_window_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError("--api-key must not be empty (omit it to serve without a key)")
+
+    @property
+    def model_id(self) -> str:
+        """The id `/v1/models` lists and requests name."""
+        return self.served_model_name or self.model
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """EngineConfig fields for `LLM(...)`."""
+        kwargs: dict[str, Any] = {"policy": self.policy, "max_num_seqs": self.max_num_seqs}
+        if self.num_blocks is not None:
+            kwargs["num_blocks"] = self.num_blocks
+        return kwargs
+
+    def redacted(self) -> dict[str, Any]:
+        """The config for logs: the API key is never printed."""
+        d = asdict(self)
+        d["api_key"] = "<set>" if self.api_key else None
+        return d

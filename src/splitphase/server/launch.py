@@ -1,0 +1,79 @@
+"""Run the app under uvicorn with a graceful SIGTERM.
+
+The first SIGTERM (or Ctrl+C) starts a drain: the port stays open so new requests get a clean
+503 (and /health fails, so a load balancer stops routing here), in-flight requests run to the
+end, and uvicorn stops once none is left or `shutdown_timeout_s` passed. A second signal
+stops at once (streams still open are cut and their requests aborted).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from splitphase.errors import UserError
+from splitphase.server.state import ServerState
+
+log = logging.getLogger("splitphase.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains instead of stopping."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout_s: float) -> None:
+        super().__init__(config)
+        self.state, self.timeout_s = state, timeout_s
+        self._deadline_s: float | None = None
+        self._signals = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Signal context: only set flags. Not recorded in _captured_signals, so uvicorn does not
+        # re-raise it after the drain and the process exits 0.
+        self._signals += 1
+        if self._signals == 1:
+            self._deadline_s = time.monotonic() + self.timeout_s
+            self.state.begin_drain()
+        else:  # a second signal stops now; a third skips the connection wait too
+            self.should_exit = True
+            self.force_exit = self._signals > 2
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._deadline_s is not None and not self.should_exit:
+            if self.state.in_flight == 0:
+                log.info("drained: shutting down")
+                self.should_exit = True
+            elif time.monotonic() > self._deadline_s:
+                log.warning("shutdown timeout: %d sequences still in flight are cut",
+                            self.state.in_flight)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line error when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another "
+                        "--port or stop what is using it") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(app: FastAPI, sock: socket.socket, shutdown_timeout_s: float,
+        log_level: str = "info") -> None:
+    """Serve until drained after SIGTERM (blocks)."""
+    state: ServerState = app.state.splitphase
+    config = uvicorn.Config(app, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5, log_config=None)
+    server = DrainingServer(config, state, shutdown_timeout_s)
+    server.run(sockets=[sock])

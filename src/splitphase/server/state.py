@@ -1,0 +1,164 @@
+"""The state one app serves from: the engine loop, tokenizer, template, metrics, admission.
+
+Admission counts sequences (a request with n=4 takes 4 seats) on the event loop thread only,
+so it needs no lock. Seats are `max_num_seqs` running plus `max_queue` waiting; past that a
+request gets 429 with Retry-After. While draining (SIGTERM) or with the engine down, 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from splitphase.engine.async_engine import AsyncEngine
+from splitphase.engine.llm import LLM
+from splitphase.hardware.specs import HardwareSpec
+from splitphase.model.checkpoint import CheckpointError, read_config, resolve_model_dir
+from splitphase.server.chat import ChatTemplate
+from splitphase.server.config import ServerConfig
+from splitphase.server.errors import APIError, bad_request
+from splitphase.server.metrics import EngineStats, ServerMetrics
+
+log = logging.getLogger("splitphase.server")
+RETRY_AFTER_S = 1
+
+
+class ServerState:
+    """Everything the routes share; one per app."""
+
+    def __init__(self, config: ServerConfig, llm: LLM, hardware: HardwareSpec | None) -> None:
+        self.config, self.llm, self.tokenizer = config, llm, llm.tokenizer
+        self.model_dir = _model_dir(config.model)
+        self.chat = ChatTemplate.for_model_dir(self.model_dir, self.tokenizer)
+        self.metrics = ServerMetrics(config.model_id, hardware, _dtype(llm, self.model_dir),
+                                     config.utilization_window_s)
+        self.engine = AsyncEngine(llm.engine, on_steps=self.metrics.on_steps,
+                                  max_step_records=config.max_step_records)
+        self.max_model_len = int(llm.engine.max_model_len)
+        self.vocab_size = _vocab_size(llm, self.model_dir)
+        self.created = int(time.time())
+        self.in_flight = 0  # admitted sequences not yet closed
+        self.draining = False
+        self._model_names = {config.model_id, config.model, Path(config.model).name}
+        self._last_stats = EngineStats(0, 0)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine loop."""
+        self.engine.start()
+
+    def stop(self) -> None:
+        """Stop the engine loop (in-flight requests end with 503) and release workers."""
+        self.draining = True
+        self.engine.shutdown()
+        self.llm.close()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests with 503; in-flight ones go on."""
+        if not self.draining:
+            log.info("draining: %d sequences in flight; new requests get 503", self.in_flight)
+        self.draining = True
+
+    # ---- admission ---------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        """400 for a model this server does not serve (omitting it is fine)."""
+        if name is not None and name not in self._model_names:
+            raise bad_request(
+                f"model {name!r} is not served here; this server serves {self.config.model_id!r}",
+                "model", "model_not_found",
+            )
+
+    def admit(self, num_seqs: int) -> None:
+        """Take `num_seqs` seats, or raise 503 (down, draining), 400 (too big) or 429 (full)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica",
+                           code="shutting_down")
+        if not self.engine.is_running:
+            raise APIError(503, "the engine is not running; retry later",
+                           code="engine_unavailable")
+        seats = self.config.max_num_seqs + self.config.max_queue
+        if num_seqs > seats:
+            raise bad_request(f"the request asks for {num_seqs} sequences (prompts x n); this "
+                              f"server admits at most {seats} at once", "n")
+        if self.in_flight + num_seqs > seats:
+            raise APIError(
+                429,
+                f"the queue is full ({self.in_flight} of {seats} sequences in flight: "
+                f"{self.config.max_num_seqs} running + {self.config.max_queue} waiting); "
+                f"retry after {RETRY_AFTER_S} s",
+                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.in_flight += num_seqs
+
+    def release(self, num_seqs: int) -> None:
+        """Give seats back."""
+        self.in_flight = max(0, self.in_flight - num_seqs)
+
+    # ---- health and stats --------------------------------------------------------------------
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, detail): the loop is alive, and a step ended recently if work waits."""
+        age_s = time.monotonic() - self.engine.last_step_s
+        busy = self.engine.num_in_flight > 0
+        detail: dict[str, Any] = {
+            "status": "ok", "model": self.config.model_id, "engine_running": self.engine.is_running,
+            "in_flight": self.in_flight, "last_step_age_s": round(age_s, 3),
+            "step_errors": self.engine.error_count,
+        }
+        problem = None
+        if self.draining:
+            problem = "draining"
+        elif not self.engine.is_running:
+            problem = "engine loop is not running"
+        elif busy and age_s > self.config.health_stall_s:
+            problem = f"no engine step for {age_s:.1f} s with work queued"
+        if problem:
+            detail["status"] = "unhealthy"
+            detail["reason"] = problem
+        return problem is None, detail
+
+    async def stats(self) -> EngineStats:
+        """Queue and KV snapshot (read directly, or asked of a disaggregated pair)."""
+        sched = getattr(self.llm.engine, "scheduler", None)
+        if sched is not None:  # ints and lengths: safe to read from this thread
+            bm = sched.block_manager
+            return EngineStats(sched.num_running, sched.num_waiting, bm.num_used_blocks,
+                               bm.num_blocks)
+        usage_fn = getattr(self.llm.engine, "block_usage", None)
+        if usage_fn is None or not self.engine.is_running:
+            return EngineStats(self.in_flight, 0)
+        try:
+            usage = await asyncio.wait_for(self.engine.call(lambda: usage_fn(1.0)), 2.0)
+        except Exception as exc:  # a slow or broken pair keeps the previous numbers
+            log.warning("block usage unavailable: %r", exc)
+            return self._last_stats
+        self._last_stats = EngineStats(
+            sum(u.get("num_running", 0) for u in usage.values()),
+            sum(u.get("num_waiting", 0) for u in usage.values()),
+            sum(u.get("num_used_blocks", 0) for u in usage.values()),
+            sum(u.get("num_blocks", 0) for u in usage.values()),
+        )
+        return self._last_stats
+
+
+def _model_dir(name: str) -> Path | None:
+    try:
+        return resolve_model_dir(name)
+    except CheckpointError:
+        return None
+
+
+def _dtype(llm: LLM, model_dir: Path | None) -> str:
+    if llm.model is not None:
+        return str(llm.model.cfg.dtype)
+    return read_config(model_dir)[0].dtype if model_dir is not None else "bfloat16"
+
+
+def _vocab_size(llm: LLM, model_dir: Path | None) -> int:
+    if llm.model is not None:
+        return int(llm.model.cfg.vocab_size)
+    if model_dir is not None:
+        return int(read_config(model_dir)[0].vocab_size)
+    return llm.tokenizer.vocab_size
