@@ -217,11 +217,17 @@ def run_probe(
     points = sweep_points(plan, maker)
     interfere = plan.interference and bool(target.describe().get("concurrent_streams"))
     start_s = time.perf_counter()
-    # First calls at a new shape pay for allocation and kernel selection: run both extremes once.
+    # First calls at a new shape pay for allocation and kernel selection (stalls of hundreds of
+    # ms were seen on the first decode steps): run each prompt length once, untimed, through a
+    # full-length output, and the widest batch once.
     lengths = [p for p, _ in plan.workload] or list(plan.prompt_lens)
-    for n in sorted({min(lengths), max(lengths)}):
+    for n in sorted(set(lengths))[:8]:
         ids, text = maker.make(n)
-        target.run([ProbeRequest(ids, text, 4, "warmup")], 1)
+        target.run([ProbeRequest(ids, text, plan.output_tokens, "warmup")], 1)
+    widest = max(plan.concurrency_levels)
+    warm = [ProbeRequest(*maker.make(plan.decode_prompt_len), plan.output_tokens, "warmup")
+            for _ in range(widest)]
+    target.run(warm, widest)
     traces: list[RequestTrace] = []
     bar = tqdm(total=len(points) + interfere, desc="probing", unit="point", disable=not progress)
     with bar:

@@ -211,5 +211,5 @@ def _write_compare(out: Path, speeds: list[Any]) -> None:
 
 def demo() -> None:
     """`splitphase demo`: quick audit of the embedded model on this CPU into ./splitphase-report."""
-    print(f"splitphase demo: auditing {DEMO_TARGET} on this CPU (quick probe)\n")
-    audit(AuditOptions(target=DEMO_TARGET, out=DEMO_OUT, hardware="cpu", quick=True))
+    print(f"splitphase demo: auditing {DEMO_TARGET} on this CPU\n")
+    audit(AuditOptions(target=DEMO_TARGET, out=DEMO_OUT, hardware="cpu", quick=False))

@@ -24,7 +24,7 @@ from splitphase.hardware.specs import HardwareSpec
 # (e.g. AWS m7i.large, us-east-1, about $0.10/h in 2025).
 DEFAULT_CPU_PRICE_USD_PER_HOUR = 0.10
 _MIB = 2**20
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: GEMM peak is the best rate over sizes
 
 
 def cache_dir() -> Path:
