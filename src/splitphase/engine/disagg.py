@@ -68,7 +68,7 @@ from splitphase.engine.disagg_loops import load_worker_tokenizer
 from splitphase.engine.disagg_protocol import ROLES, AddRequest, ClockStamp
 from splitphase.engine.disagg_worker import WorkerOptions
 from splitphase.engine.llm_engine import RequestOutput, StepFailedError, StepRecord
-from splitphase.engine.request import RequestStatus
+from splitphase.engine.request import RequestStatus, validate_prompt
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
 from splitphase.model.checkpoint import read_config, resolve_model_dir, save_checkpoint
@@ -260,18 +260,7 @@ class DisaggregatedEngine:
         return rid
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise UserError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise UserError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise UserError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(ids) + params.max_tokens} exceeds the context length {self.max_model_len}"
-            )
+        validate_prompt(ids, params.max_tokens, self.vocab_size, self.max_model_len)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED

@@ -19,7 +19,7 @@ from splitphase.engine.config import EngineConfig
 from splitphase.engine.detokenizer import IncrementalDetokenizer
 from splitphase.engine.kv_cache import PagedKVCache, num_blocks_for_budget
 from splitphase.engine.model_runner import ModelRunner
-from splitphase.engine.request import Request, RequestStatus
+from splitphase.engine.request import Request, RequestStatus, validate_prompt
 from splitphase.engine.sampler import SampledToken, SamplingState, prompt_logprobs, sample_row
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -164,18 +164,7 @@ class LLMEngine:
         return rid
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise UserError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
-        if bad:
-            raise UserError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.model.cfg.vocab_size})"
-            )
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise UserError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(ids) + params.max_tokens} exceeds the context length {self.max_model_len}"
-            )
+        validate_prompt(ids, params.max_tokens, self.model.cfg.vocab_size, self.max_model_len)
 
     def _track(self, req: Request, params: SamplingParams, seed_offset: int = 0) -> _Tracked:
         seed = (params.seed + seed_offset) % 2**64 if params.seed is not None else None

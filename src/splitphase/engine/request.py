@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitphase.engine.sampling_params import SamplingParams
+from splitphase.errors import UserError
 
 
 class RequestError(ValueError):
@@ -216,3 +217,17 @@ def _diff(end: float | None, start: float | None) -> float | None:
 def _check_time(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(f"{name} must be a finite number of seconds, got {value!r}")
+
+
+def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
+    """A prompt an engine can serve: non-empty, in the vocabulary, fits with its max_tokens."""
+    if not ids:
+        raise UserError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(ids) + max_tokens > max_model_len:
+        raise UserError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens}"
+            f" exceeds the context length {max_model_len}"
+        )
