@@ -39,3 +39,11 @@ def test_stop_string_matched_across_tokens_and_excluded(tokenizer, text, stop):
         assert detok.stopped and out == text[: text.index(stop)]
     else:
         assert not detok.stopped and out == text
+
+
+def test_ids_past_the_tokenizer_vocabulary_have_no_text(tokenizer):
+    # Models often pad their vocabulary beyond the tokenizer's; such ids decode to nothing.
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("hello world")
+    ids.insert(1, tokenizer.vocab_size + 7)
+    assert "".join(detok.add_token(t) for t in ids) + detok.flush() == "hello world"

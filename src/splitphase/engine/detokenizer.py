@@ -18,6 +18,9 @@ class TokenBytes(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
     @property
+    def vocab_size(self) -> int: ...
+
+    @property
     def special_tokens(self) -> dict[str, int]: ...
 
 
@@ -50,7 +53,9 @@ class IncrementalDetokenizer:
         """Append one token; return the new text that is safe to emit."""
         if self.stopped:
             return ""
-        raw = b"" if token_id in self._special else self._tok.token_bytes(token_id)
+        # Models often pad their vocabulary past the tokenizer's; a padding id has no text.
+        known = 0 <= token_id < self._tok.vocab_size and token_id not in self._special
+        raw = self._tok.token_bytes(token_id) if known else b""
         prev_len = len(self.text)
         self.text += self._decoder.decode(raw, final=False)
         if self._stop:
