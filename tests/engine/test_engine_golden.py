@@ -201,3 +201,16 @@ def test_dual_flow_engine_logprobs_are_the_mixture(dual_flow_model, tokenizer):
         ref = dual_flow_model(torch.tensor([seq]))[0, -1]  # teacher-forced log P
         assert tok.logprob == pytest.approx(float(ref[tok.token_id]), abs=1e-4)
         seq.append(tok.token_id)
+
+
+def test_prompt_logprobs_complete_even_when_the_prefix_is_cached(tiny_model, tokenizer):
+    engine = LLMEngine(tiny_model, tokenizer, EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=1, temperature=0)
+    firsts = []
+    for rid in ("a", "b"):  # the second request's prompt is fully cached by the first
+        engine.add_request(PROMPTS[2], params, request_id=rid, prompt_logprobs=0)
+        while engine.has_unfinished_requests():
+            firsts += [o for o in engine.step() if o.finished]
+    a, b = firsts
+    assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(PROMPTS[2]) - 1
+    assert a.prompt_logprobs == b.prompt_logprobs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,12 @@ def start_server(ckpt: Path, *extra: str) -> ServerProcess:
     proc = ServerProcess(["--model", str(ckpt), "--hardware", "h100", *extra], env=SERVER_ENV)
     proc.start()
     return proc
+
+
+@pytest.fixture(scope="session")
+def launch() -> Callable[..., ServerProcess]:
+    """`launch(ckpt, *serve_args)`: start another server (the test stops it)."""
+    return start_server
 
 
 @pytest.fixture(scope="module")

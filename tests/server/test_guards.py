@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -13,19 +15,21 @@ import pytest
 from fastapi.testclient import TestClient
 
 from splitphase.engine.llm import LLM
+from splitphase.engine.sampling_params import SamplingParams
 from splitphase.server.app import create_app
 from splitphase.server.config import ServerConfig
+from splitphase.server.errors import APIError
+from splitphase.server.generation import Generation
 from splitphase.server.process import ServerProcess
+from splitphase.server.sse import run_to_end
 
 KEY = "s3cret-key"
 LONG = {"prompt": [0, *range(300, 340)], "max_tokens": 200, "ignore_eos": True}
 
-from conftest import start_server  # noqa: E402  (pytest puts tests/server on sys.path)
-
 
 @pytest.fixture(scope="module")
-def guarded(tiny_ckpt: Path) -> Iterator[ServerProcess]:
-    proc = start_server(tiny_ckpt, "--api-key", KEY, "--max-num-seqs", "1", "--max-queue", "0")
+def guarded(tiny_ckpt: Path, launch: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
+    proc = launch(tiny_ckpt, "--api-key", KEY, "--max-num-seqs", "1", "--max-queue", "0")
     yield proc
     proc.stop()
     assert KEY not in proc.log()  # the key is never logged
@@ -51,7 +55,8 @@ def test_full_queue_is_429_with_retry_after(guarded: ServerProcess) -> None:
     with httpx.Client(timeout=30, headers=_auth()) as client, client.stream(
         "POST", guarded.url + "/v1/completions", json={**LONG, "stream": True}
     ) as stream:
-        assert next(stream.iter_lines()).startswith("data: ")
+        lines = stream.iter_lines()  # keep it: a dropped iterator closes the connection
+        assert next(lines).startswith("data: ")
         resp = client.post(guarded.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert resp.status_code == 429, resp.text
         assert resp.headers["Retry-After"] == "1"
@@ -61,8 +66,9 @@ def test_full_queue_is_429_with_retry_after(guarded: ServerProcess) -> None:
         assert too_big.status_code == 400 and "at most 1" in too_big.text
 
 
-def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path) -> None:
-    proc = start_server(tiny_ckpt, "--max-num-seqs", "1")
+def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path,
+                                                  launch: Callable[..., ServerProcess]) -> None:
+    proc = launch(tiny_ckpt, "--max-num-seqs", "1")
     results: list[httpx.Response] = []
     try:
         # One seat: two queued non-streamed requests keep the drain busy behind the stream.
@@ -75,6 +81,8 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path) -> None:
             assert next(lines).startswith("data: ")
             for w in workers:
                 w.start()
+            while httpx.get(proc.url + "/health", timeout=10).json()["in_flight"] < 3:
+                time.sleep(0.002)  # both queued requests are admitted before the signal
             assert proc.proc is not None
             proc.proc.send_signal(signal.SIGTERM)
             refused = client.post(proc.url + "/v1/completions", json={"prompt": "x"})
@@ -82,7 +90,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path) -> None:
             assert httpx.get(proc.url + "/health", timeout=10).status_code == 503
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
         for w in workers:
             w.join(60)
         assert [r.status_code for r in results] == [200, 200]
@@ -94,7 +102,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path) -> None:
 
 @pytest.fixture(scope="module")
 def app_client(tiny_ckpt: Path) -> Iterator[TestClient]:
-    app = create_app(ServerConfig(model=str(tiny_ckpt), hardware="h100"),
+    app = create_app(ServerConfig(model=str(tiny_ckpt), hardware="h100", max_step_records=16),
                      llm=LLM(model=str(tiny_ckpt)))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
@@ -104,25 +112,30 @@ def test_failed_forward_errors_its_request_and_server_goes_on(app_client: TestCl
                                                               monkeypatch) -> None:
     state = app_client.app.state.splitphase  # type: ignore[attr-defined]
     runner = state.llm.engine.runner
-    real, calls = runner.execute, {"n": 0}
+    real, calls = runner.execute, {"n": 0, "fail_at": -1}
 
-    def flaky(*args, **kwargs):  # the 2nd and 5th forward raise
+    def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] in (2, 5):
+        if calls["n"] == calls["fail_at"]:
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
 
+    def fail_second_forward() -> None:  # the prefill works, the first decode step raises
+        calls["fail_at"] = calls["n"] + 2
+
     monkeypatch.setattr(runner, "execute", flaky)
     body = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True}
+    fail_second_forward()
     resp = app_client.post("/v1/completions", json=body)
     assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_step_failed"
     assert "injected fault" in resp.json()["error"]["message"]
-    assert app_client.post("/v1/completions", json=body).status_code == 200  # forwards 3, 4
+    assert app_client.post("/v1/completions", json=body).status_code == 200
+    fail_second_forward()
     with app_client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "engine_step_failed" in events[-2]
+    assert json.loads(events[0])["choices"][0]["text"] is not None  # the first token came
     assert app_client.post("/v1/completions", json=body).status_code == 200
-    assert state.engine.scheduler if False else True  # noqa: SIM210
     assert state.llm.engine.scheduler.block_manager.num_used_blocks == 0
     assert app_client.get("/health").json()["step_errors"] == 2
 
@@ -137,3 +150,57 @@ def test_draining_app_answers_503(app_client: TestClient) -> None:
         assert app_client.get("/health").status_code == 503
     finally:
         state.draining = False
+
+
+def test_step_records_stay_bounded(app_client: TestClient) -> None:
+    body = {"prompt": "bounded", "max_tokens": 40, "ignore_eos": True}
+    assert app_client.post("/v1/completions", json=body).status_code == 200
+    assert len(app_client.app.state.splitphase.llm.engine.steps) <= 16  # type: ignore[attr-defined]
+
+
+def test_non_streamed_request_aborts_when_its_client_leaves(app_client: TestClient,
+                                                            monkeypatch) -> None:
+    state = app_client.app.state.splitphase  # type: ignore[attr-defined]
+    runner, real = state.llm.engine.runner, state.llm.engine.runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(0.01)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow)
+
+    class Gone:  # a client that has disconnected
+        async def is_disconnected(self) -> bool:
+            return True
+
+    async def main() -> int:
+        gen = Generation(state, "gone", [[0, 5, 6]],
+                         SamplingParams(max_tokens=200, ignore_eos=True))
+        gen.admit()
+        try:
+            with pytest.raises(APIError, match="closed the connection"):
+                await run_to_end(gen, Gone(), poll_s=0.05)  # type: ignore[arg-type]
+        finally:
+            await gen.close()
+        await asyncio.sleep(0.1)  # the abort runs on the engine thread before the next step
+        return gen.output_tokens
+
+    assert asyncio.run(main()) < 200
+    assert state.in_flight == 0
+    assert state.llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_crashed_engine_loop_fails_requests_with_503(tiny_ckpt: Path, monkeypatch) -> None:
+    llm = LLM(model=str(tiny_ckpt))
+    app = create_app(ServerConfig(model=str(tiny_ckpt), hardware="h100"), llm=llm)
+
+    def broken() -> list:
+        raise AssertionError("scheduler bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        monkeypatch.setattr(llm.engine, "step", broken)
+        resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert resp.status_code == 503, resp.text
+        assert client.get("/health").status_code == 503
+        again = client.post("/v1/completions", json={"prompt": "x"})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"

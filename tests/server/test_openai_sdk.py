@@ -137,6 +137,11 @@ def test_echo_scoring_on_token_ids_like_lm_eval(client: openai.OpenAI, model: st
     for tok, top in zip(lp.token_logprobs[len(context):-1], lp.top_logprobs[len(context):-1],
                         strict=True):
         assert tok <= max(top.values()) + 1e-6
+    text = first.choices[0].text  # text_offset indexes the echoed text (the bos is not in it)
+    offsets = lp.text_offset
+    assert offsets[0] == offsets[1] == 0
+    for i in range(1, len(ids)):
+        assert text[offsets[i] : offsets[i + 1]] == lp.tokens[i]
     # The same context again hits the prefix cache: the numbers must not change.
     again = score(0).choices[0].logprobs
     assert len(again.token_logprobs) == len(ids)
@@ -154,3 +159,22 @@ def test_stop_strings_and_penalties_are_accepted(client: openai.OpenAI, model: s
                                     frequency_penalty=0.0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == text[: text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
+
+
+def test_streamed_echo_n2_logprobs_equal_non_streamed(client: openai.OpenAI, model: str) -> None:
+    kwargs = dict(model=model, prompt="Scores: one two", max_tokens=5, n=2, seed=11, echo=True,
+                  logprobs=2, temperature=1.0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    texts: dict[int, str] = {0: "", 1: ""}
+    tokens: dict[int, list[str]] = {0: [], 1: []}
+    offsets: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            tokens[c.index] += c.logprobs.tokens
+            offsets[c.index] += c.logprobs.text_offset
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text
+        assert tokens[choice.index] == choice.logprobs.tokens
+        assert offsets[choice.index] == choice.logprobs.text_offset
+        assert choice.text.startswith("Scores: one two")

@@ -269,7 +269,7 @@ class BlockManager:
 
     def _probe(self, request: Request) -> list[tuple[int, BlockHash]]:
         """Cached blocks matching the leading full blocks of the first num_tokens - 1 tokens."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
             return []
         hits: list[tuple[int, BlockHash]] = []
         parent, bs = _ROOT_HASH, self.block_size

@@ -157,6 +157,8 @@ class LLMEngine:
         if rid in self._tracked:
             raise UserError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params, time.perf_counter() if arrival_s is None else arrival_s)
+        # Prompt logprobs need logits at every prompt position: no prefix-cache skipping (vLLM).
+        req.use_prefix_cache = prompt_logprobs is None
         self._track(req, params)
         if prompt_logprobs is not None:
             self._tracked[rid].prompt_logprobs = []
@@ -295,7 +297,8 @@ class LLMEngine:
         if rid not in self._tracked:
             # Stands in until the scheduler creates the child Request (_adopt_children).
             stand_in = Request(rid, parent.request.prompt_token_ids, parent.request.sampling_params)
-            self._track(stand_in, parent.request.sampling_params, seed_offset=k)
+            child = self._track(stand_in, parent.request.sampling_params, seed_offset=k)
+            child.prompt_logprobs = parent.prompt_logprobs  # one prompt, scored once
         return self._tracked[rid]
 
     def _adopt_children(self, out: SchedulerOutput) -> None:

@@ -71,6 +71,8 @@ class Request:
     # preemption by recompute. The request is prefilling while num_computed < prefill_len.
     prefill_len: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at the latest admission
+    # False when every prompt position must be computed (prompt logprobs need their logits).
+    use_prefix_cache: bool = True
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Written by the BlockManager (always a fresh copy of its own table); read-only elsewhere.

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: `splitphase serve` (see app.py for the routes)."""

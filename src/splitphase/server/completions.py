@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splitphase.server.errors import APIError
-from splitphase.server.generation import Event, Generation, map_engine_error, rescore_prompt
+from splitphase.server.generation import Event, Generation, map_engine_error
 from splitphase.server.logprobs import (
     PromptLogprobs,
     TokenText,
@@ -109,12 +109,13 @@ async def _response(state: ServerState, job: _Job, gen: Generation) -> Completio
 
 async def _prompt_logprobs(state: ServerState, job: _Job, p: int,
                            got: PromptLogprobs | None) -> PromptLogprobs | None:
-    """The engine's prompt logprobs, rescored when the prefix cache skipped positions."""
+    """The engine's prompt logprobs (it computes every prompt position when they are asked)."""
     if not job.echo:
         return None
-    if got is not None and prompt_logprobs_complete(job.prompts[p], got):
-        return got
-    return await rescore_prompt(state, job.prompts[p], job.logprobs or 0)
+    if got is None or not prompt_logprobs_complete(job.prompts[p], got):
+        message = "the engine returned incomplete prompt logprobs"
+        raise APIError(500, message, code="prompt_logprobs")
+    return got
 
 
 def _usage(job: _Job, gen: Generation, completion_tokens: int) -> Usage:
@@ -126,9 +127,11 @@ def _usage(job: _Job, gen: Generation, completion_tokens: int) -> Usage:
 async def _stream(state: ServerState, job: _Job, gen: Generation,
                   include_usage: bool) -> AsyncIterator[str]:
     completion_tokens = 0
+    sent_chars: dict[int, int] = {}  # per choice: text_offset continues across chunks
     try:
         async for ev in gen.events():
-            choice = await _chunk_choice(state, job, ev)
+            choice = await _chunk_choice(state, job, ev, sent_chars.get(ev.seq.index, 0))
+            sent_chars[ev.seq.index] = sent_chars.get(ev.seq.index, 0) + len(choice.text)
             completion_tokens += 0 if job.score_only else len(ev.new_token_ids)
             yield sse(CompletionResponse(id=job.rid, created=job.created, model=job.model,
                                          choices=[choice]))
@@ -143,10 +146,10 @@ async def _stream(state: ServerState, job: _Job, gen: Generation,
     yield DONE
 
 
-async def _chunk_choice(state: ServerState, job: _Job, ev: Event) -> CompletionChoice:
+async def _chunk_choice(state: ServerState, job: _Job, ev: Event,
+                        offset: int) -> CompletionChoice:
     p, out = ev.seq.prompt_index, ev.output
     new_ids = [] if job.score_only else ev.new_token_ids
-    offset = 0  # text_offset restarts per chunk, as vLLM's streamed offsets do
     text = "" if job.score_only else out.delta
     echo_now = job.echo and ev.first
     if echo_now:  # the prompt rides on the first chunk, which also carries the first token

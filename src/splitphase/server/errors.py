@@ -77,7 +77,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "the request body is invalid", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
@@ -90,6 +90,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
         message += f", got {shown[:100]}"
     return message + more, param
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names the union member in the location ("prompt.list[int].0"): drop it."""
+    text = str(part)
+    return text in ("str", "int", "float", "bool", "none") or text.startswith(("list[", "dict["))
 
 
 def install_error_handlers(app: FastAPI) -> None:

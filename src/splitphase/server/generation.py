@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from splitphase.engine.async_engine import EngineDeadError, EngineStepError
 from splitphase.engine.llm_engine import RequestOutput
-from splitphase.engine.sampler import SampledToken, prompt_logprobs
+from splitphase.engine.sampler import SampledToken
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
 from splitphase.server.errors import APIError, bad_request
@@ -191,27 +191,3 @@ def map_engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, UserError):
         return bad_request(str(exc))
     return APIError(500, f"the engine failed: {type(exc).__name__}", code="engine_error")
-
-
-async def rescore_prompt(
-    state: ServerState, ids: list[int], top_n: int
-) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """Prompt logprobs from one plain forward on the engine thread.
-
-    The engine skips prompt positions its prefix cache already holds, so a second scoring
-    request with the same context (every multiple-choice task) comes back short; this fills
-    the gap instead of returning misaligned numbers.
-    """
-    model = state.llm.model
-    if model is None:
-        raise APIError(500, "prompt logprobs came back incomplete (prefix cache hit) and this "
-                       "engine has no local model to rescore with", code="prompt_logprobs")
-
-    def score() -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-        import torch
-
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids], device=model.device))[0, :-1]  # (T-1, V)
-            return prompt_logprobs(logits, ids[1:], top_n)
-
-    return await state.engine.call(score)

@@ -1,7 +1,8 @@
 """Logprobs in the two OpenAI shapes: legacy completions (with echo) and chat.
 
 Completions: parallel lists `tokens`, `token_logprobs`, `top_logprobs` (dicts that also hold
-the chosen token, as vLLM returns them) and `text_offset`; with echo the prompt comes first and
+the chosen token, as vLLM returns them) and `text_offset` (into the answer's `text`, where
+special tokens such as the bos do not appear); with echo the prompt comes first and
 its first token has `None` (nothing predicts it). lm-evaluation-harness sums
 `token_logprobs[ctxlen:-1]` and checks greediness against `max(top_logprobs[i].values())`.
 """
@@ -28,6 +29,7 @@ class TokenText:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._special = set(tokenizer.special_tokens.values())
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -35,6 +37,13 @@ class TokenText:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
+
+    def width(self, token_id: int) -> int:
+        """Characters the token adds to answer text, where special tokens are left out.
+
+        Approximate for a character split over tokens (each part shows as U+FFFD).
+        """
+        return 0 if token_id in self._special else len(self(token_id))
 
     def bytes_of(self, token_id: int) -> list[int]:
         """The token's raw bytes (may be part of a UTF-8 character)."""
@@ -69,13 +78,13 @@ def completion_logprobs(
             out.token_logprobs.append(lp)
             out.top_logprobs.append(None if i == 0 else _top_dict(text, tid, lp, top))
             out.text_offset.append(offset)
-            offset += len(out.tokens[-1])
+            offset += text.width(tid)
     for tid, s in zip(token_ids, sampled, strict=False):
         out.tokens.append(text(tid))
         out.token_logprobs.append(s.logprob)
         out.top_logprobs.append(_top_dict(text, tid, s.logprob, s.top_logprobs))
         out.text_offset.append(offset)
-        offset += len(out.tokens[-1])
+        offset += text.width(tid)
     return out
 
 

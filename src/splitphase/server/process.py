@@ -36,7 +36,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
 
     @property
     def url(self) -> str:

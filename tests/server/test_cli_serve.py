@@ -1,0 +1,59 @@
+"""`splitphase serve` on the command line: user errors are one line, exit code 2."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from splitphase.cli import build_parser
+from splitphase.server.config import ServerConfig, serve_policies
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "splitphase.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={"OMP_NUM_THREADS": "1", "PATH": ""})
+
+
+def _one_line(proc: subprocess.CompletedProcess[str], message: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_unknown_model_is_one_line() -> None:
+    _one_line(_serve("--model", "/no/such/model", "--port", "0"), "no model")
+
+
+def test_taken_port_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        _one_line(_serve("--port", str(s.getsockname()[1])), "cannot listen")
+
+
+def test_policies_and_limits_are_validated() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.model, args.policy, args.host, args.port) == ("small", "chunked", "127.0.0.1",
+                                                               8000)
+    assert {"mixed", "chunked"} <= set(serve_policies())
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--policy", "fastest"])
+    with pytest.raises(ValueError, match="max-queue"):
+        ServerConfig(max_queue=-1)
+    assert ServerConfig(api_key="k").redacted()["api_key"] == "<set>"
+
+
+def test_disaggregated_needs_its_engine_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "splitphase.engine.disagg"
+                        else real(name, *a))
+    assert "disaggregated" not in serve_policies()
+    with pytest.raises(ValueError, match="not installed"):
+        ServerConfig(policy="disaggregated")
