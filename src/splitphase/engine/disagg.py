@@ -64,14 +64,18 @@ from splitphase.engine.disagg_control import (
     stop_processes,
 )
 from splitphase.engine.disagg_frontend import FrontendState
-from splitphase.engine.disagg_loops import load_worker_tokenizer
 from splitphase.engine.disagg_protocol import ROLES, AddRequest, ClockStamp
 from splitphase.engine.disagg_worker import WorkerOptions
 from splitphase.engine.llm_engine import RequestOutput, StepFailedError, StepRecord
 from splitphase.engine.request import RequestStatus, validate_prompt
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
-from splitphase.model.checkpoint import read_config, resolve_model_dir, save_checkpoint
+from splitphase.model.checkpoint import (
+    load_tokenizer,
+    read_config,
+    resolve_model_dir,
+    save_checkpoint,
+)
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import TORCH_DTYPES, Transformer
 
@@ -95,7 +99,7 @@ class DisaggregatedEngine:
     ) -> None:
         self.config = config
         self.vocab_size = read_config(resolve_model_dir(config.model))[0].vocab_size
-        self.tokenizer = tokenizer or load_worker_tokenizer(config.model, config.tokenizer_dir)
+        self.tokenizer = tokenizer or load_tokenizer(config.model, config.tokenizer_dir)
         self.steps: list[StepRecord] = []
         self._state = FrontendState()
         self._workers: dict[str, WorkerHandle] = {}

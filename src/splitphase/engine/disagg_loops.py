@@ -18,7 +18,6 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Client, Connection, wait
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +45,7 @@ from splitphase.engine.kv_transfer import (
 )
 from splitphase.engine.llm_engine import LLMEngine, RequestOutput, StepFailedError
 from splitphase.errors import UserError
-from splitphase.model.checkpoint import load_model, resolve_model_dir
-from splitphase.model.tokenizer import Tokenizer
+from splitphase.model.checkpoint import load_model, load_tokenizer
 
 HEARTBEAT_S = 1.0  # control-plane beat while idle, so the front end can tell quiet from dead
 
@@ -314,16 +312,6 @@ def _connect(address: str, key: bytes, timeout_s: float) -> Connection:
             time.sleep(0.5)
 
 
-def load_worker_tokenizer(model: str, tokenizer_dir: str | None) -> Tokenizer:
-    """The tokenizer of `tokenizer_dir` (or of the model dir), else the shipped one."""
-    path = Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model_dir(model)
-    if (path / "tokenizer_config.json").exists():
-        return Tokenizer.from_pretrained_dir(path)  # keeps a non-default bos/eos
-    if (path / "tokenizer.json").exists():
-        return Tokenizer.from_file(path / "tokenizer.json")
-    return Tokenizer.default()
-
-
 def run_worker(opts: WorkerOptions) -> int:
     """Connect, load, join the process group, serve; returns the exit code."""
     key = _authkey()
@@ -353,7 +341,7 @@ def _build(opts: WorkerOptions, conn: Connection) -> WorkerLoop:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = load_model(opts.model, device=device, dtype=opts.dtype)
-    tokenizer = load_worker_tokenizer(opts.model, opts.tokenizer)
+    tokenizer = load_tokenizer(opts.model, opts.tokenizer)
     cfg = EngineConfig(policy="disaggregated", role=opts.role, **opts.engine)
     engine = LLMEngine(model, tokenizer, cfg)
     backend = resolve_backend(opts.backend, device)

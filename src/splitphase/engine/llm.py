@@ -12,7 +12,7 @@ from splitphase.engine.config import EngineConfig
 from splitphase.engine.disagg import DisaggregatedEngine
 from splitphase.engine.llm_engine import LLMEngine, RequestOutput, StepRecord
 from splitphase.engine.sampling_params import SamplingParams
-from splitphase.model.checkpoint import load_model
+from splitphase.model.checkpoint import load_model, load_tokenizer
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 from splitphase.training.trainer import pick_device
@@ -51,14 +51,6 @@ def timings_of(out: RequestOutput) -> Timings:
     )
 
 
-def load_tokenizer_for(model_name: str) -> Tokenizer:
-    """The model directory's own tokenizer.json, else the shipped one."""
-    from splitphase.model.checkpoint import resolve_model_dir
-
-    path = resolve_model_dir(model_name) / "tokenizer.json"
-    return Tokenizer.from_file(path) if path.exists() else Tokenizer.default()
-
-
 class LLM:
     """Load a model once, then run batches of prompts through the engine.
 
@@ -91,7 +83,7 @@ class LLM:
             return
         if isinstance(model, str):
             self.model = load_model(model, device=pick_device(device), dtype=dtype)
-            self.tokenizer = tokenizer or load_tokenizer_for(model)
+            self.tokenizer = tokenizer or load_tokenizer(model)
         else:
             self.model, self.tokenizer = model, tokenizer or Tokenizer.default()
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_kwargs))

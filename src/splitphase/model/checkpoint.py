@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from splitphase.errors import UserError
 from splitphase.model.config import ConfigError, ModelConfig
 from splitphase.model.dual_flow import DualFlowTransformer
+from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import TORCH_DTYPES, Transformer
 
 CONFIG_FILE = "config.json"
@@ -178,3 +179,13 @@ def _load_state(model: Transformer, state: dict[str, torch.Tensor], model_dir: P
             )
     dtype = model.dtype
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+
+
+def load_tokenizer(name_or_path: str, tokenizer_dir: str | None = None) -> Tokenizer:
+    """The tokenizer of `tokenizer_dir` (or of the model's directory), else the shipped one."""
+    path = Path(tokenizer_dir) if tokenizer_dir is not None else resolve_model_dir(name_or_path)
+    if (path / "tokenizer_config.json").exists():
+        return Tokenizer.from_pretrained_dir(path)  # keeps a non-default bos/eos
+    if (path / "tokenizer.json").exists():
+        return Tokenizer.from_file(path / "tokenizer.json")
+    return Tokenizer.default()

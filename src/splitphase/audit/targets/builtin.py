@@ -24,9 +24,8 @@ from splitphase.engine.config import EngineConfig
 from splitphase.engine.llm_engine import LLMEngine, RequestOutput
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
-from splitphase.model.checkpoint import load_model, resolve_model_dir
+from splitphase.model.checkpoint import load_model, load_tokenizer
 from splitphase.model.config import ModelConfig
-from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 
 DEFAULT_MODEL = "small"
@@ -141,12 +140,6 @@ def run_on_engine(
     return [traces[i] for i in range(len(requests))]
 
 
-def model_tokenizer(name_or_path: str) -> Tokenizer:
-    """The checkpoint's own tokenizer.json, else the shipped one."""
-    path = resolve_model_dir(name_or_path) / "tokenizer.json"
-    return Tokenizer.from_file(path) if path.exists() else Tokenizer.default()
-
-
 class BuiltinTarget:
     """Our model in-process (an embedded name or a checkpoint directory)."""
 
@@ -158,7 +151,7 @@ class BuiltinTarget:
     ) -> None:
         self.model_name = model
         self._model = load_model(model)
-        self._tok = model_tokenizer(model)
+        self._tok = load_tokenizer(model)
         if self._tok.vocab_size > self._model.cfg.vocab_size:
             raise UserError(
                 f"the tokenizer has {self._tok.vocab_size} ids but model {model!r} only "
