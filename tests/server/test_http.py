@@ -129,9 +129,9 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerProcess) ->
         "splitphase:generation_tokens_total"] < 200
 
 
-def test_30_concurrent_streams_equal_offline_greedy(server: ServerProcess,
+def test_50_concurrent_streams_equal_offline_greedy(server: ServerProcess,
                                                     tiny_ckpt: Path) -> None:
-    prompts = [f"Prompt number {i}: " + "word " * (i % 7) for i in range(30)]
+    prompts = [f"Prompt number {i}: " + "word " * (i % 7) for i in range(50)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = [c.text for c in LLM(model=str(tiny_ckpt)).generate(prompts, params)]
 
@@ -147,7 +147,7 @@ def test_30_concurrent_streams_equal_offline_greedy(server: ServerProcess,
         return "".join(text)
 
     async def main() -> list[str]:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=40)) as c:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as c:
             return list(await asyncio.gather(*(one(c, p) for p in prompts)))
 
     assert asyncio.run(main()) == expected
