@@ -112,6 +112,10 @@ def test_quick_builtin_audit_writes_a_valid_report(
     assert doc["hardware"]["name"] == "cpu"
     assert {p["concurrency"] for p in doc["profile"]["points"]} == {1, 4}
     assert (out / "report.md").exists() and (out / "report.html").stat().st_size > 10_000
+    # Our own engine is re-run under each batching policy: measured, not projected, evidence.
+    policy = [o for o in doc["optimizations"] if o["name"].startswith("batching policy")]
+    assert len(policy) == 1 and policy[0]["evidence"] == "measured"
+    assert "mixed:" in policy[0]["detail"] and "chunked:" in policy[0]["detail"]
 
 
 def test_openai_audit_with_workload_file(tmp_path: Path) -> None:

@@ -125,10 +125,25 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
         described = target.describe()
     finally:
         target.close()
-    result = run_steps(probe.traces, cfg, hw, hw.price_usd_per_hour, _bill(opts, plan))
+    policies = _compare_policies(opts, described, plan, probe.traces, _context_len(target, cfg))
+    result = run_steps(probe.traces, cfg, hw, hw.price_usd_per_hour, _bill(opts, plan),
+                       policies, described.get("policy"))
     doc = build_report(result, described, hw, cfg, probe)
     out = write_report(opts.out, doc, result.profile.itl_samples_s)
     return doc, out
+
+
+def _compare_policies(
+    opts: AuditOptions, described: dict[str, Any], plan: Any, traces: Any, max_len: int
+) -> list[Any]:
+    """Our engine in-process: the interference probe again under each batching policy."""
+    if described.get("kind") != "builtin" or not described.get("concurrent_streams"):
+        return []
+    from splitphase.audit.policies import compare_policies
+
+    if opts.progress:
+        print("comparing batching policies (mixed, chunked) on the same probe")
+    return compare_policies(described["model"], plan, traces, max_len)
 
 
 def audit(opts: AuditOptions) -> None:

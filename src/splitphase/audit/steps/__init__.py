@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitphase.audit.steps.cost import Cost, Workload, cost
 from splitphase.audit.steps.optimizations import Optimization, optimizations
@@ -25,6 +26,9 @@ from splitphase.audit.steps.utilization import (
 from splitphase.audit.trace import RequestTrace
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from splitphase.audit.policies import PolicyResult
 
 __all__ = [
     "GAP_THRESHOLD", "AuditResult", "Bottleneck", "Cost", "Optimization", "PhaseLevel",
@@ -50,14 +54,16 @@ def run_steps(
     hw: HardwareSpec,
     price_usd_per_hour: float,
     workload: Workload,
+    policy_results: Sequence[PolicyResult] = (),
+    current_policy: str | None = None,
 ) -> AuditResult:
-    """Steps 1 to 5 in order."""
+    """Steps 1 to 5 in order (policy_results: our engine re-run under each batching policy)."""
     prof = profile(traces)
     util = utilization(prof, cfg, hw)
     return AuditResult(
         profile=prof,
         bottleneck=bottleneck(prof, cfg, hw),
         utilization=util,
-        optimizations=optimizations(prof, util, cfg, hw),
+        optimizations=optimizations(prof, util, cfg, hw, policy_results, current_policy),
         cost=cost(util, price_usd_per_hour, workload),
     )

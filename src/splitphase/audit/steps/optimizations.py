@@ -1,6 +1,7 @@
 """Step 4: phase-specific optimizations, each with its evidence.
 
-Measured where the probe allows (the black-box prefill-interference probe); projected by the
+Measured where the probe allows (the black-box prefill-interference probe, and for our own
+engine the same probe under each batching policy); projected by the
 cost model otherwise: audit.flops on a changed config, timed on the roofline at the efficiency
 the target measurably reaches (measured time = roofline time / efficiency), so a projection
 never assumes better kernels than the target already has.
@@ -8,7 +9,9 @@ never assumes better kernels than the target already has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitphase.audit import flops as fl
 from splitphase.audit import roofline as rl
@@ -16,6 +19,9 @@ from splitphase.audit.steps.profile import Profile
 from splitphase.audit.steps.utilization import PhaseLevel, Utilization
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from splitphase.audit.policies import PolicyResult
 
 SPIKE_THRESHOLD = 1.5  # p50 ITL during a long prefill over p50 otherwise: "prefill stalls decode"
 MAX_DECODE_BATCH = 256
@@ -188,11 +194,36 @@ def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
                         "decode step time", "s", before, after, detail)
 
 
+def batching_policy(results: Sequence[PolicyResult], current: str | None) -> Optimization:
+    """Measured: the same interference probe under each batching policy of our engine."""
+    from splitphase.audit.policies import best_policy, describe
+
+    best = best_policy(results)
+    now = next((r for r in results if r.policy == current), None)
+    assert best is not None
+    worst = max(results, key=lambda r: r.during_prefill_itl_s)
+    detail = (
+        f"measured on this engine, same weights and probe: {describe(results)}. Best: "
+        f"{best.policy}, against {worst.policy}"
+        + ("" if current is None else f"; the audited engine runs {current}")
+    )
+    # Before/after span the measured range; it is a change to make only if not already made.
+    return Optimization(
+        f"batching policy: {best.policy}", "decode", "measured",
+        now is None or now.policy != best.policy,
+        "mean inter-token latency during a long prefill", "s", worst.during_prefill_itl_s,
+        best.during_prefill_itl_s, detail,
+    )
+
+
 def optimizations(
-    prof: Profile, util: Utilization, cfg: ModelConfig, hw: HardwareSpec
+    prof: Profile, util: Utilization, cfg: ModelConfig, hw: HardwareSpec,
+    policy_results: Sequence[PolicyResult] = (), current_policy: str | None = None,
 ) -> list[Optimization]:
     """Step 4: every optimization, most promising (largest speedup) first."""
+    measured = [batching_policy(policy_results, current_policy)] if policy_results else []
     found = [
+        *measured,
         interference(prof, util),
         larger_decode_batch(util, cfg, hw),
         moe_decode_top_k(util, cfg, hw),

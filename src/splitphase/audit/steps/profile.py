@@ -189,7 +189,8 @@ def _prefill_window(t: RequestTrace) -> tuple[float, float]:
     return t.send_s, t.first_token_s if t.first_token_s is not None else t.send_s
 
 
-def _interference(traces: Sequence[RequestTrace]) -> Interference | None:
+def measure_interference(traces: Sequence[RequestTrace]) -> Interference | None:
+    """Inter-token latency of running streams while long prompts were prefilled, vs not."""
     streams = [t for t in traces if t.role == "stream" and t.ok]
     injects = [t for t in traces if t.role == "inject" and t.ok]
     windows = [_prefill_window(t) for t in injects]
@@ -243,6 +244,6 @@ def profile(traces: Sequence[RequestTrace]) -> Profile:
         ttft_intercept_s=fit[1] if fit else None,
         ttft_fit_r2=fit[2] if fit else None,
         points=points,
-        interference=_interference(traces),
+        interference=measure_interference(traces),
         itl_samples_s=tuple(gaps),
     )

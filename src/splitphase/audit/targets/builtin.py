@@ -148,6 +148,7 @@ class BuiltinTarget:
         model: str = DEFAULT_MODEL,
         runner: GenerateTimed | None = None,
         policy: str = "chunked",
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.model_name = model
         self._model = load_model(model)
@@ -161,8 +162,10 @@ class BuiltinTarget:
         self._engine = (
             None
             if runner
-            else LLMEngine(self._model, self._tok, EngineConfig(policy=policy, max_num_seqs=64))
+            else LLMEngine(self._model, self._tok, EngineConfig(
+                policy=policy, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens))
         )
+        self.policy = policy
         self._runner_name = "custom" if runner else f"engine (policy {policy})"
 
     def describe(self) -> dict[str, Any]:
@@ -175,6 +178,7 @@ class BuiltinTarget:
             "dtype": self._model.cfg.dtype,
             "torch_threads": torch.get_num_threads(),
             "concurrent_streams": self._engine is not None,
+            "policy": self.policy if self._engine is not None else None,
             "server_metrics": False,
         }
 

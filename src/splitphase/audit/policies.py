@@ -1,0 +1,82 @@
+"""Measured evidence for the batching policy: the same interference probe under each policy.
+
+Only an in-process target can be re-run under another policy. For each policy the engine is
+rebuilt on the same weights (`chunked` with a small token budget, so a long prompt really is
+split), warmed up, and given the interference probe: short streams decoding while long prompts
+arrive. The result per policy is the streams' inter-token latency outside and during the
+prefills, and their decode tokens/s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitphase.audit.probes import ProbePlan, PromptMaker, interference_requests
+from splitphase.audit.steps.profile import measure_interference
+from splitphase.audit.trace import ProbeRequest, RequestTrace
+
+POLICIES = ("mixed", "chunked")
+CHUNKED_BUDGET_TOKENS = 64  # small enough that the probe's longest prompt spans several steps
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One policy under the interference probe."""
+
+    policy: str
+    baseline_itl_s: float
+    during_prefill_itl_s: float
+    max_itl_s: float
+    stream_tokens_per_s: float
+
+    @property
+    def spike(self) -> float:
+        return self.during_prefill_itl_s / self.baseline_itl_s
+
+
+def _stream_rate(traces: Sequence[RequestTrace]) -> float:
+    streams = [t for t in traces if t.role == "stream" and t.ok and t.end_s is not None]
+    if not streams:
+        return 0.0
+    span = max(t.end_s or 0.0 for t in streams) - min(t.send_s for t in streams)
+    return sum(len(t.token_times_s) for t in streams) / span if span > 0 else 0.0
+
+
+def compare_policies(
+    model: str, plan: ProbePlan, sweep: Sequence[RequestTrace], max_seq_len: int,
+    policies: Sequence[str] = POLICIES,
+) -> list[PolicyResult]:
+    """Run the interference probe on `model` under each policy (in-process targets only)."""
+    from splitphase.audit.targets.builtin import BuiltinTarget
+
+    results = []
+    for policy in policies:
+        budget = CHUNKED_BUDGET_TOKENS if policy == "chunked" else max(2048, max_seq_len)
+        target = BuiltinTarget(model, policy=policy, max_num_batched_tokens=budget)
+        maker = PromptMaker(target.codec())
+        warm = [ProbeRequest(*maker.make(max(plan.prompt_lens)), plan.output_tokens, "warmup")]
+        target.run(warm, 1)
+        traces = target.run(reqs := interference_requests(plan, maker, sweep, max_seq_len),
+                            len(reqs))
+        inter = measure_interference(traces)
+        if inter is None:
+            continue  # the streams never overlapped a prefill: nothing to compare
+        results.append(PolicyResult(policy, inter.baseline_itl_s, inter.during_prefill_itl_s,
+                                    inter.max_itl_s, _stream_rate(traces)))
+    return results
+
+
+def best_policy(results: Sequence[PolicyResult]) -> PolicyResult | None:
+    """The policy with the lowest inter-token latency during prefills."""
+    return min(results, key=lambda r: r.during_prefill_itl_s, default=None)
+
+
+def describe(results: Sequence[PolicyResult]) -> str:
+    """One line per policy, for the report."""
+    return "; ".join(
+        f"{r.policy}: {r.baseline_itl_s * 1e3:.1f} ms -> {r.during_prefill_itl_s * 1e3:.1f} ms "
+        f"per token during a long prefill (x{r.spike:.2f}, worst {r.max_itl_s * 1e3:.1f} ms), "
+        f"streams {r.stream_tokens_per_s:,.0f} tok/s"
+        for r in results
+    )
