@@ -211,11 +211,12 @@ class AsyncEngine:
                 self._publish_steps()
                 continue
             self.last_step_s = time.monotonic()
+            # Step records first: a client that sees its last token also sees its step counted.
+            self._publish_steps()
             for out in outputs:
                 self._deliver(out.request_id, out)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-            self._publish_steps()
 
     def _publish_steps(self) -> None:
         """Hand new StepRecords to `on_steps`, then trim `engine.steps` to `max_step_records`."""
