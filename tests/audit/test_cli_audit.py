@@ -115,7 +115,7 @@ def test_quick_builtin_audit_writes_a_valid_report(
     # Our own engine is re-run under each batching policy: measured, not projected, evidence.
     policy = [o for o in doc["optimizations"] if o["name"].startswith("batching policy")]
     assert len(policy) == 1 and policy[0]["evidence"] == "measured"
-    assert "mixed:" in policy[0]["detail"] and "chunked:" in policy[0]["detail"]
+    assert all(f"{p}:" in policy[0]["detail"] for p in ("mixed", "chunked", "disaggregated"))
 
 
 def test_openai_audit_with_workload_file(tmp_path: Path) -> None:

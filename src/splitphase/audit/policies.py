@@ -16,23 +16,23 @@ from splitphase.audit.probes import ProbePlan, PromptMaker, interference_request
 from splitphase.audit.steps.profile import measure_interference
 from splitphase.audit.trace import ProbeRequest, RequestTrace
 
-POLICIES = ("mixed", "chunked")
+POLICIES = ("mixed", "chunked", "disaggregated")
 CHUNKED_BUDGET_TOKENS = 64  # small enough that the probe's longest prompt spans several steps
 
 
 @dataclass(frozen=True)
 class PolicyResult:
-    """One policy under the interference probe."""
+    """One policy under the interference probe (None figures: it could not be measured)."""
 
     policy: str
-    baseline_itl_s: float
-    during_prefill_itl_s: float
-    max_itl_s: float
+    baseline_itl_s: float | None
+    during_prefill_itl_s: float | None
+    max_itl_s: float | None
     stream_tokens_per_s: float
 
     @property
-    def spike(self) -> float:
-        return self.during_prefill_itl_s / self.baseline_itl_s
+    def measured(self) -> bool:
+        return self.baseline_itl_s is not None and self.during_prefill_itl_s is not None
 
 
 def _stream_rate(traces: Sequence[RequestTrace]) -> float:
@@ -54,29 +54,37 @@ def compare_policies(
     for policy in policies:
         budget = CHUNKED_BUDGET_TOKENS if policy == "chunked" else max(2048, max_seq_len)
         target = BuiltinTarget(model, policy=policy, max_num_batched_tokens=budget)
-        maker = PromptMaker(target.codec())
-        warm = [ProbeRequest(*maker.make(max(plan.prompt_lens)), plan.output_tokens, "warmup")]
-        target.run(warm, 1)
-        traces = target.run(reqs := interference_requests(plan, maker, sweep, max_seq_len),
-                            len(reqs))
+        try:
+            maker = PromptMaker(target.codec())
+            warm = [ProbeRequest(*maker.make(max(plan.prompt_lens)), plan.output_tokens, "warmup")]
+            target.run(warm, 1)
+            reqs = interference_requests(plan, maker, sweep, max_seq_len)
+            traces = target.run(reqs, len(reqs))
+        finally:
+            target.close()
         inter = measure_interference(traces)
-        if inter is None:
-            continue  # the streams never overlapped a prefill: nothing to compare
+        if inter is None:  # the streams ended before a long prompt arrived: say so
+            results.append(PolicyResult(policy, None, None, None, _stream_rate(traces)))
+            continue
         results.append(PolicyResult(policy, inter.baseline_itl_s, inter.during_prefill_itl_s,
                                     inter.max_itl_s, _stream_rate(traces)))
     return results
 
 
-def best_policy(results: Sequence[PolicyResult]) -> PolicyResult | None:
-    """The policy with the lowest inter-token latency during prefills."""
-    return min(results, key=lambda r: r.during_prefill_itl_s, default=None)
+def measured(results: Sequence[PolicyResult]) -> list[PolicyResult]:
+    return [r for r in results if r.measured]
+
+
+def _line(r: PolicyResult) -> str:
+    if r.baseline_itl_s is None or r.during_prefill_itl_s is None or r.max_itl_s is None:
+        return f"{r.policy}: not measured (its streams never overlapped a long prefill)"
+    return (
+        f"{r.policy}: {r.baseline_itl_s * 1e3:.1f} ms -> {r.during_prefill_itl_s * 1e3:.1f} ms "
+        f"per token during a long prefill (x{r.during_prefill_itl_s / r.baseline_itl_s:.2f}, "
+        f"worst {r.max_itl_s * 1e3:.1f} ms), streams {r.stream_tokens_per_s:,.0f} tok/s"
+    )
 
 
 def describe(results: Sequence[PolicyResult]) -> str:
     """One line per policy, for the report."""
-    return "; ".join(
-        f"{r.policy}: {r.baseline_itl_s * 1e3:.1f} ms -> {r.during_prefill_itl_s * 1e3:.1f} ms "
-        f"per token during a long prefill (x{r.spike:.2f}, worst {r.max_itl_s * 1e3:.1f} ms), "
-        f"streams {r.stream_tokens_per_s:,.0f} tok/s"
-        for r in results
-    )
+    return "; ".join(_line(r) for r in results)

@@ -142,7 +142,7 @@ def _compare_policies(
     from splitphase.audit.policies import compare_policies
 
     if opts.progress:
-        print("comparing batching policies (mixed, chunked) on the same probe")
+        print("comparing batching policies (mixed, chunked, disaggregated) on the same probe")
     return compare_policies(described["model"], plan, traces, max_len)
 
 

@@ -196,12 +196,13 @@ def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
 
 def batching_policy(results: Sequence[PolicyResult], current: str | None) -> Optimization:
     """Measured: the same interference probe under each batching policy of our engine."""
-    from splitphase.audit.policies import best_policy, describe
+    from splitphase.audit.policies import describe, measured
 
-    best = best_policy(results)
-    now = next((r for r in results if r.policy == current), None)
-    assert best is not None
-    worst = max(results, key=lambda r: r.during_prefill_itl_s)
+    ok = measured(results)
+    itl = {r.policy: r.during_prefill_itl_s or 0.0 for r in ok}
+    best = min(ok, key=lambda r: itl[r.policy])
+    worst = max(ok, key=lambda r: itl[r.policy])
+    now = next((r for r in ok if r.policy == current), None)
     detail = (
         f"measured on this engine, same weights and probe: {describe(results)}. Best: "
         f"{best.policy}, against {worst.policy}"
@@ -211,8 +212,8 @@ def batching_policy(results: Sequence[PolicyResult], current: str | None) -> Opt
     return Optimization(
         f"batching policy: {best.policy}", "decode", "measured",
         now is None or now.policy != best.policy,
-        "mean inter-token latency during a long prefill", "s", worst.during_prefill_itl_s,
-        best.during_prefill_itl_s, detail,
+        "mean inter-token latency during a long prefill", "s", itl[worst.policy],
+        itl[best.policy], detail,
     )
 
 
@@ -221,9 +222,10 @@ def optimizations(
     policy_results: Sequence[PolicyResult] = (), current_policy: str | None = None,
 ) -> list[Optimization]:
     """Step 4: every optimization, most promising (largest speedup) first."""
-    measured = [batching_policy(policy_results, current_policy)] if policy_results else []
+    any_measured = any(r.measured for r in policy_results)
+    by_policy = [batching_policy(policy_results, current_policy)] if any_measured else []
     found = [
-        *measured,
+        *by_policy,
         interference(prof, util),
         larger_decode_batch(util, cfg, hw),
         moe_decode_top_k(util, cfg, hw),

@@ -159,12 +159,16 @@ class BuiltinTarget:
                 f"{self._model.cfg.vocab_size}; put the model's tokenizer.json in its directory"
             )
         self._runner = runner
-        self._engine = (
-            None
-            if runner
-            else LLMEngine(self._model, self._tok, EngineConfig(
+        self._engine: Any = None
+        if runner is None and policy == "disaggregated":
+            from splitphase.engine.disagg import DisaggregatedEngine
+
+            # Two worker processes; their K/V crosses torch.distributed like on two hosts.
+            self._engine = DisaggregatedEngine.launch(
+                model, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens)
+        elif runner is None:
+            self._engine = LLMEngine(self._model, self._tok, EngineConfig(
                 policy=policy, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens))
-        )
         self.policy = policy
         self._runner_name = "custom" if runner else f"engine (policy {policy})"
 
@@ -195,4 +199,6 @@ class BuiltinTarget:
         return run_batched(self._runner, requests, concurrency)
 
     def close(self) -> None:
-        pass
+        closer = getattr(self._engine, "close", None)
+        if closer is not None:  # the disaggregated pair's worker processes
+            closer()
