@@ -40,7 +40,7 @@ def test_missing_path_names_embedded_models(tmp_path):
         load_model(str(tmp_path / "nope"))
 
 
-def _random_hf_llama(tmp_path, tie: bool):
+def _random_hf_llama(tmp_path, tie: bool, rope_scaling: dict | None = None):
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.LlamaConfig(
         vocab_size=300,
@@ -53,6 +53,7 @@ def _random_hf_llama(tmp_path, tie: bool):
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=tie,
+        rope_scaling=rope_scaling,
     )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
@@ -69,6 +70,22 @@ def test_hf_llama_parity(tmp_path, tie):
     with torch.no_grad():
         expected = hf(ids).logits
     torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_llama3_rope_scaling_parity(tmp_path):
+    # A short original context puts the test's positions in all three frequency bands.
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    hf = _random_hf_llama(tmp_path, False, scaling)
+    ours = load_model(str(tmp_path))
+    assert ours.cfg.rope_scaling_factor == 8.0 and ours.cfg.rope_original_max_len == 16
+    ids = torch.randint(0, 300, (1, 60))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=1e-4)
+    plain = Transformer(ours.cfg.with_(rope_scaling_factor=1.0)).eval()  # same weights, no scaling
+    plain.load_state_dict(ours.state_dict())
+    assert not torch.allclose(plain(ids), expected, atol=1e-3)  # the scaling matters here
 
 
 def test_hf_unsupported_model_type(tmp_path):

@@ -105,9 +105,6 @@ def _check_hf_supported(doc: dict) -> None:
             f"model_type {doc.get('model_type')!r} ({arch[0]}) is not supported; "
             "supported: llama, mistral, qwen2, qwen3 (dense)"
         )
-    scaling = doc.get("rope_scaling") or {}
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise CheckpointError(f"rope_scaling {scaling} is not supported yet (only default RoPE)")
     if doc.get("attention_bias") or doc.get("mlp_bias"):
         raise CheckpointError("checkpoints with attention or MLP biases are not supported")
 

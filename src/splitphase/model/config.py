@@ -39,6 +39,11 @@ class ModelConfig:
     head_dim: int = 64
     d_ff: int = 688
     rope_theta: float = 10000.0
+    # Llama-3.1 "llama3" RoPE scaling; factor 1.0 means plain RoPE.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
@@ -80,6 +85,14 @@ class ModelConfig:
             raise ConfigError(f"d_expert must be > 0 for an MoE config, got {self.d_expert}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError("rope_theta and norm_eps must be > 0")
+        if self.rope_scaling_factor < 1.0:
+            raise ConfigError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+        bands_ok = self.rope_high_freq_factor > self.rope_low_freq_factor
+        if self.rope_scaling_factor > 1.0 and not (self.rope_original_max_len > 0 and bands_ok):
+            raise ConfigError(
+                "llama3 RoPE scaling needs rope_original_max_len > 0 and "
+                "rope_high_freq_factor > rope_low_freq_factor"
+            )
         self._check_dual_flow()
 
     def _check_dual_flow(self) -> None:
@@ -191,6 +204,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
         rope_theta=float(
             hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         ),
+        **_hf_rope_scaling(hf),
         norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=model_type.startswith("qwen3"),
@@ -207,6 +221,22 @@ def _from_hf_dict(hf: dict[str, Any]) -> ModelConfig:
         if isinstance(eos, int)
         else None,
     )
+
+
+def _hf_rope_scaling(hf: dict[str, Any]) -> dict[str, Any]:
+    """Our RoPE-scaling fields from `rope_scaling` (or transformers 5's `rope_parameters`)."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return {}
+    if kind != "llama3":
+        raise ConfigError(f"RoPE scaling type {kind!r} is not supported (default and llama3 are)")
+    return {
+        "rope_scaling_factor": float(scaling["factor"]),
+        "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+        "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+        "rope_original_max_len": int(scaling["original_max_position_embeddings"]),
+    }
 
 
 def _hf_dtype(value: Any) -> str:
@@ -270,6 +300,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=64,
         d_ff=8192,
         rope_theta=500000.0,
+        **{"rope_scaling_factor": 32.0, "rope_original_max_len": 8192},
         tie_embeddings=True,
         max_seq_len=131072,
         dtype="bfloat16",
@@ -283,6 +314,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128,
         d_ff=14336,
         rope_theta=500000.0,
+        **{"rope_scaling_factor": 8.0, "rope_original_max_len": 8192},
         tie_embeddings=False,
         max_seq_len=131072,
         dtype="bfloat16",
@@ -296,6 +328,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128,
         d_ff=28672,
         rope_theta=500000.0,
+        **{"rope_scaling_factor": 8.0, "rope_original_max_len": 8192},
         tie_embeddings=False,
         max_seq_len=131072,
         dtype="bfloat16",

@@ -8,6 +8,9 @@ reuse the same weights with their own K/V handling.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,14 +32,47 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1's "llama3" frequency scaling (factor 1 = plain RoPE)."""
+
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> RopeScaling:
+        return cls(cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                   cfg.rope_original_max_len)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths (beyond the original context) slow down by `factor`; short ones stay;
+    # the band between is interpolated (Meta's Llama 3.1 reference, as transformers does it).
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_len / s.low_freq_factor
+    high_wavelen = s.original_max_len / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for the given positions, HF "rotate_half" layout: (..., head_dim)."""
     inv_freq = 1.0 / (
         theta
         ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
+    if scaling is not None and scaling.factor > 1.0:
+        inv_freq = _llama3_scale(inv_freq, scaling)
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # (..., head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)

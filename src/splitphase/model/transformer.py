@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from splitphase.model.config import ModelConfig
-from splitphase.model.layers import Attention, RMSNorm, SwiGLU, causal_mask, rope_cos_sin
+from splitphase.model.layers import (
+    Attention,
+    RMSNorm,
+    RopeScaling,
+    SwiGLU,
+    causal_mask,
+    rope_cos_sin,
+)
 from splitphase.model.moe import MoE
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,6 +196,7 @@ class Transformer(nn.Module):
             if cfg.tie_embeddings
             else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype)
         )
+        self._rope_scaling = RopeScaling.of(cfg)
         self.apply(self._init_weights)
         # GPT-2's residual scaling keeps the residual stream's variance flat with depth.
         for name, p in self.named_parameters():
@@ -210,7 +218,9 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin shaped (B or 1, T, 1, D) for positions (B, T) or (T,)."""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+        cos, sin = rope_cos_sin(
+            positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype, self._rope_scaling
+        )
         if positions.dim() == 1:
             cos, sin = cos[None], sin[None]
         return cos[:, :, None, :], sin[:, :, None, :]
