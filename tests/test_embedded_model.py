@@ -1,24 +1,9 @@
 """The shipped `small` checkpoint: it loads, it is trained, and `splitphase eval` scores it."""
 
 import json
-from pathlib import Path
-
-import pytest
 
 from splitphase.cli import main
-from splitphase.data.corpus import default_data_dir, fetch_sources
-from splitphase.data.shards import prepare
 from splitphase.model.checkpoint import embedded_model_names, embedded_models_dir, load_model
-from splitphase.model.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = default_data_dir() / "sources"
-    fetch_sources(cache)
-    out = tmp_path_factory.mktemp("data")
-    prepare(out, Tokenizer.default(), cache_dir=cache)
-    return out
 
 
 def test_small_ships_with_a_model_card_under_budget():

