@@ -57,8 +57,14 @@ class DrainingServer(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, or a one-line error when the address is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
+    # IPPROTO_TCP, and a socket made with proto 0 keeps Nagle on. With Nagle, a streamed chunk
+    # waits for the ACK of the previous one, which a keep-alive client delays by ~40 ms, so
+    # every SSE chunk of a short stream arrived at once, ~40 ms late. Set it on the listener too
+    # (accepted sockets inherit it on Linux).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
