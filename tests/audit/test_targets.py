@@ -144,9 +144,12 @@ def test_openai_user_errors() -> None:
         open_target("grpc:somewhere")
 
 
+@pytest.mark.parametrize("base_s", [0.001, 0.15], ids=["short-ttft", "ttft-dwarfs-itl"])
 @pytest.mark.parametrize("mixed, stalls", [(True, True), (False, False)])
-def test_interference_probe_tells_mixed_from_isolated(mixed: bool, stalls: bool) -> None:
-    timing = FakeTiming(prefill_base_s=0.001, prefill_s_per_token=2e-4, itl_s=0.004, mixed=mixed)
+def test_interference_probe_tells_mixed_from_isolated(mixed: bool, stalls: bool,
+                                                      base_s: float) -> None:
+    timing = FakeTiming(prefill_base_s=base_s, prefill_s_per_token=2e-4, itl_s=0.004,
+                        mixed=mixed)
     plan = ProbePlan(prompt_lens=(16, 400), concurrency_levels=(1, 2), output_tokens=4,
                      decode_prompt_len=16, repeats=1)
     with FakeOpenAIServer(timing) as url:

@@ -182,13 +182,18 @@ def interference_requests(
     # Servers count tokens their own way, so pick the longest prompts by what they reported.
     longest = max((t.prompt_tokens for t in ok), default=0)
     ttft_long = statistics.median([t.ttft_s or 0.0 for t in ok if t.prompt_tokens == longest])
-    offset_s = 10 * itl  # the streams are well into decode by then
+    shortest = min((t.prompt_tokens for t in ok), default=0)
+    ttft_short = max([t.ttft_s or 0.0 for t in ok if t.prompt_tokens == shortest] or [0.0])
+    n_streams = min(4, max(plan.concurrency_levels))
+    # The streams are well into decode by then, even on a server whose TTFT dwarfs its ITL
+    # (a big remote model, or one that prefills the streams one after another).
+    offset_s = n_streams * ttft_short + 10 * itl
     n_inject = 2
     span_s = offset_s + n_inject * 1.5 * ttft_long + 10 * itl
     room = max(2, max_seq_len - short - 1)
     stream_tokens = max(32, min(room, 1024, math.ceil(span_s / max(itl, 1e-4))))
     reqs = []
-    for _ in range(min(4, max(plan.concurrency_levels))):
+    for _ in range(n_streams):
         ids, text = maker.make(short)
         reqs.append(ProbeRequest(ids, text, stream_tokens, "interference", 0, "stream"))
     for i in range(n_inject):
