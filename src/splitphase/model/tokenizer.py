@@ -18,6 +18,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from splitphase.errors import UserError
+
 ENDOFTEXT = "<|endoftext|>"
 # Order fixes the ids: <|endoftext|> is id 0 (bos, eos and document separator).
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -105,6 +107,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> list[int]:
         """Text -> ids; special-token strings in `text` stay plain text unless parse_special."""
         inner = self._inner if parse_special else self._literal
+        check_unicode(text)
         ids: list[int] = inner.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self._bos_id is None:
@@ -166,6 +169,19 @@ class Tokenizer:
         """The shipped tokenizer (assets/tokenizer.json, trained on the train split)."""
         text = resources.files("splitphase").joinpath("assets/tokenizer.json").read_text("utf-8")
         return cls(HFTokenizer.from_str(text))
+
+
+def check_unicode(text: str) -> None:
+    """UserError for text that is not valid Unicode (a lone UTF-16 surrogate, as JSON allows)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(
+            f"the text holds a lone UTF-16 surrogate ({text[exc.start]!r} at character "
+            f"{exc.start}); send valid Unicode (pair the surrogates or drop them)"
+        ) from None
 
 
 def _token_str(value: object) -> str | None:
