@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitphase.errors import UserError
 from splitphase.model.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
 
 TOK = Tokenizer.default()
@@ -79,3 +80,14 @@ def test_train_tokenizer_deterministic() -> None:
     assert a.decode(a.encode("ünïcode 𝔘")) == "ünïcode 𝔘"
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(texts, vocab_size=100)
+
+
+@pytest.mark.parametrize("text", ["ab\ud800cd", "\udfff", "ok \ud83d"])
+def test_lone_surrogates_are_a_user_error_not_a_crash(text: str) -> None:
+    # JSON may carry "\ud800"; the Rust tokenizer raised a TypeError on it (a 500 in serve).
+    with pytest.raises(UserError, match="surrogate"):
+        Tokenizer.default().encode(text)
+    with pytest.raises(UserError, match="surrogate"):
+        Tokenizer.default().encode(text, parse_special=True)
+    assert Tokenizer.default().encode("\ud83d\ude00".encode("utf-16", "surrogatepass")
+                                      .decode("utf-16")) != []  # a paired surrogate is fine

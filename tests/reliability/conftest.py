@@ -70,10 +70,10 @@ def serve_inproc(tiny_ckpt: Path) -> Iterator[Callable[..., tuple[str, LLM]]]:
     """`serve_inproc(**ServerConfig fields)`: (url, llm) of an app on a thread of this process."""
     servers: list[InProcessServer] = []
 
-    def start(**config: object) -> tuple[str, LLM]:
+    def start(sndbuf_bytes: int | None = None, **config: object) -> tuple[str, LLM]:
         cfg = ServerConfig(model=str(tiny_ckpt), hardware="h100", **config)  # type: ignore[arg-type]
         llm = LLM(model=str(tiny_ckpt), **cfg.engine_kwargs())
-        server = InProcessServer(create_app(cfg, llm=llm))
+        server = InProcessServer(create_app(cfg, llm=llm), sndbuf_bytes=sndbuf_bytes)
         servers.append(server)
         return server.start(), llm
 

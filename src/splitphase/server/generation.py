@@ -188,7 +188,8 @@ def map_engine_error(exc: BaseException) -> APIError:
                         code="engine_unavailable")
     died = exc if isinstance(exc, WorkerDiedError) else getattr(exc, "cause", None)
     if isinstance(died, WorkerDiedError):  # not this request's fault: the pair is restarted
-        return APIError(503, f"a worker of the disaggregated pair failed ({died}); the server "
+        why = str(died).split("; call restart()")[0]  # the server restarts it, not the client
+        return APIError(503, f"a worker of the disaggregated pair failed ({why}); the server "
                         f"restarts it: retry after {RETRY_AFTER_S} s", code="worker_unavailable",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineStepError):
