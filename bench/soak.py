@@ -179,7 +179,8 @@ def _record(args: argparse.Namespace, recs: list[dict[str, Any]], wall_s: float,
                 f"{len(recs)} requests in {wall_s:.0f} s: " + ", ".join(
                     f"{k} {v}" for k, v in sorted(counts.items()))
                 + ("; server at rest after" if ok else "; FAILED"),
-                held=sum(v for k, v in counts.items() if k != "LOST"), lost=lost,
+                held=sum(counts.get(k, 0) for k in ("completed", "refused", "error event",
+                                                     "400")), lost=lost,
                 bad_inputs=counts.get("400", 0),
                 faults=counts.get("left", 0) + counts.get("gave up", 0),
                 figures={"recs": len(recs), "wall_s": wall_s, "outcomes": dict(counts)})

@@ -136,6 +136,9 @@ def test_killed_decode_worker_fails_fast_then_is_restarted(disagg: ServerProcess
     wait_for(lambda: scrape(disagg.url)["generation_tokens_total"], lambda n: n >= 3, 30)
     os.kill(old_pid, signal.SIGKILL)
     killed_at = time.monotonic()
+    unhealthy, _ = wait_for(lambda: httpx.get(disagg.url + "/health", timeout=10),
+                            lambda r: r.status_code == 503, 10, 0.01)
+    assert unhealthy.status_code == 503  # dead or restarting: a balancer stops routing here
     runner.join(30)
     failed_in_s = time.monotonic() - killed_at
     assert not runner.is_alive() and len(results) == 3
@@ -143,7 +146,8 @@ def test_killed_decode_worker_fails_fast_then_is_restarted(disagg: ServerProcess
         (o.status, o.error_code, o.malformed) for o in results]
     assert failed_in_s < 10
     health, restart_s = wait_for(lambda: httpx.get(disagg.url + "/health", timeout=10).json(),
-                                 lambda h: h["status"] == "ok", 90, 0.2)
+                                 lambda h: h["status"] == "ok" and h["worker_restarts"] >= 1,
+                                 90, 0.2)
     assert health["status"] == "ok" and health["worker_restarts"] == 1, health
     assert health["workers"]["decode"]["pid"] != old_pid
     ok = httpx.post(disagg.url + "/v1/completions", json={"prompt": "again", "max_tokens": 4},

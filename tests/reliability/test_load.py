@@ -11,8 +11,8 @@ from splitphase.reliability.probe import finished_total, scrape, wait_at_rest
 from splitphase.server.process import ServerProcess
 
 CLIENTS = 200
-RATE_PER_S = 200.0  # Poisson arrivals: all 200 sent within about a second
-MAX_TOKENS = 8
+RATE_PER_S = 1000.0  # Poisson arrivals: all 200 sent within about 0.2 s
+MAX_TOKENS = 16
 TOPICS = ["the river", "a small engine", "the last train", "cache blocks", "a quiet city"]
 
 

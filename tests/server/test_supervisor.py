@@ -12,15 +12,21 @@ class FakePair:
     """An idle engine whose workers die on command; `restart` fails `failures` times first."""
 
     def __init__(self, failures: int = 0) -> None:
-        self.dead: dict[str, str] = {}
+        self.dead: dict[str, str] = {}  # what has happened
+        self.noticed: dict[str, str] = {}  # what the engine thread knows (dead_workers)
         self.failures, self.restarts, self.generation = failures, 0, 0
 
     @property
     def worker_pids(self) -> dict[str, int]:
         return {"prefill": 100 + self.generation, "decode": 200 + self.generation}
 
+    @property
+    def dead_workers(self) -> dict[str, str]:
+        return dict(self.noticed)
+
     def check_workers(self) -> dict[str, str]:
-        return dict(self.dead)
+        self.noticed = dict(self.dead)
+        return self.noticed
 
     def restart(self) -> None:
         if self.failures:
@@ -28,7 +34,7 @@ class FakePair:
             raise RuntimeError("the new pair did not dial in")
         self.restarts += 1
         self.generation += 1
-        self.dead = {}
+        self.dead, self.noticed = {}, {}
 
     def add_request(self, *args: object, **kwargs: object) -> str:
         raise AssertionError("not used")

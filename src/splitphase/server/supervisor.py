@@ -28,6 +28,9 @@ class WorkerPair(Protocol):
     @property
     def worker_pids(self) -> dict[str, int]: ...
 
+    @property
+    def dead_workers(self) -> dict[str, str]: ...
+
 
 class WorkerSupervisor:
     """A background task on the server's event loop; `status()` feeds /health."""
@@ -55,18 +58,26 @@ class WorkerSupervisor:
             self._task.cancel()
             self._task = None
 
+    def _dead_now(self) -> dict[str, str]:
+        """Dead workers as last checked, plus any the engine thread noticed since."""
+        try:  # read across threads: the engine thread may be changing the dict right now
+            return {**self.dead, **self.pair.dead_workers}
+        except RuntimeError:
+            return dict(self.dead)
+
     @property
     def serving(self) -> bool:
         """False while a worker is dead or the pair is being restarted."""
-        return not self.dead and not self.restarting
+        return not self.restarting and not self._dead_now()
 
     def status(self) -> dict[str, Any]:
         """Each worker's pid and state, the restarts so far, the last restart failure."""
         workers: dict[str, Any] = {}
+        dead = self._dead_now()
         for role, pid in self.pids.items():
             state = "restarting" if self.restarting else "ok"
-            if role in self.dead and not self.restarting:
-                state = f"dead: {self.dead[role]}"
+            if role in dead and not self.restarting:
+                state = f"dead: {dead[role]}"
             workers[role] = {"pid": pid, "status": state}
         return {"workers": workers, "worker_restarts": self.restarts,
                 "worker_restart_error": self.last_error}
