@@ -23,6 +23,7 @@ from splitphase.reliability.ledger import Ledger
 from splitphase.server.app import create_app
 from splitphase.server.config import ServerConfig
 from splitphase.server.process import ServerProcess
+from splitphase.server.state import ServerState
 
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 OUT_ENV = "SPLITPHASE_RELIABILITY_OUT"
@@ -66,16 +67,17 @@ def launch() -> Callable[..., ServerProcess]:
 
 
 @pytest.fixture
-def serve_inproc(tiny_ckpt: Path) -> Iterator[Callable[..., tuple[str, LLM]]]:
-    """`serve_inproc(**ServerConfig fields)`: (url, llm) of an app on a thread of this process."""
+def serve_inproc(tiny_ckpt: Path) -> Iterator[Callable[..., tuple[str, LLM, ServerState]]]:
+    """`serve_inproc(**ServerConfig fields)`: (url, llm, state) of an app on a thread here."""
     servers: list[InProcessServer] = []
 
-    def start(sndbuf_bytes: int | None = None, **config: object) -> tuple[str, LLM]:
+    def start(sndbuf_bytes: int | None = None, **config: object) -> tuple[str, LLM, ServerState]:
         cfg = ServerConfig(model=str(tiny_ckpt), hardware="h100", **config)  # type: ignore[arg-type]
         llm = LLM(model=str(tiny_ckpt), **cfg.engine_kwargs())
-        server = InProcessServer(create_app(cfg, llm=llm), sndbuf_bytes=sndbuf_bytes)
+        app = create_app(cfg, llm=llm)
+        server = InProcessServer(app, sndbuf_bytes=sndbuf_bytes)
         servers.append(server)
-        return server.start(), llm
+        return server.start(), llm, app.state.splitphase
 
     yield start
     for server in servers:

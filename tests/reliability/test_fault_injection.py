@@ -10,12 +10,15 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from splitphase.engine.llm import LLM
 from splitphase.reliability.ledger import Ledger
 from splitphase.reliability.loadgen import Outcome, stream_request
 from splitphase.reliability.probe import finished_total, scrape, wait_at_rest, wait_for
+from splitphase.server.state import ServerState
 
+Serve = Callable[..., tuple[str, LLM, ServerState]]  # the serve_inproc fixture
 BODY = {"prompt": "fault", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
 
 
@@ -39,8 +42,8 @@ class Forward:
 
 
 def test_forward_raising_on_its_nth_call_errors_every_request_in_it(
-        serve_inproc: Callable[..., tuple[str, LLM]], ledger: Ledger) -> None:
-    url, llm = serve_inproc()
+        serve_inproc: Serve, ledger: Ledger) -> None:
+    url, llm, _ = serve_inproc()
     forward = Forward(llm, sleep_s=0.01)
     sdk = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
     streams: list[Outcome] = []
@@ -93,8 +96,8 @@ def llm_model(url: str) -> str:
 
 
 def test_200_client_timeouts_then_a_fresh_request_is_prompt(
-        serve_inproc: Callable[..., tuple[str, LLM]], ledger: Ledger) -> None:
-    url, llm = serve_inproc()
+        serve_inproc: Serve, ledger: Ledger) -> None:
+    url, llm, _ = serve_inproc()
     Forward(llm, sleep_s=0.02)  # 40 tokens take >= 0.8 s: none finishes within 0.5 s
     model = llm_model(url)
 
@@ -137,11 +140,16 @@ def test_200_client_timeouts_then_a_fresh_request_is_prompt(
                   held=201, faults=200)
 
 
+@pytest.mark.parametrize("where", ["in a forward", "before taking the request"])
 def test_a_stuck_engine_loop_is_reported_unhealthy(
-        serve_inproc: Callable[..., tuple[str, LLM]], ledger: Ledger) -> None:
-    url, llm = serve_inproc(health_stall_s=0.5)
-    forward = Forward(llm)
-    forward.gate = threading.Event()  # the next forward blocks until the gate opens
+        serve_inproc: Serve, ledger: Ledger, where: str) -> None:
+    url, llm, state = serve_inproc(health_stall_s=0.5)
+    gate = threading.Event()
+    if where == "in a forward":
+        Forward(llm).gate = gate  # the next forward blocks until the gate opens
+    else:  # the engine thread blocks in a command: the request is admitted, never added
+        threading.Thread(target=lambda: asyncio.run(state.engine.call(lambda: gate.wait(30))),
+                         daemon=True).start()
     assert httpx.get(url + "/health", timeout=5).status_code == 200
     result: list[httpx.Response] = []
     client = threading.Thread(target=lambda: result.append(httpx.post(
@@ -153,12 +161,12 @@ def test_a_stuck_engine_loop_is_reported_unhealthy(
         assert resp.status_code == 503
         assert "no engine step" in resp.json()["reason"], resp.json()
     finally:
-        forward.gate.set()
+        gate.set()
     client.join(30)
     assert result and result[0].status_code == 200
     healthy, _ = wait_for(lambda: httpx.get(url + "/health", timeout=5),
                           lambda r: r.status_code == 200, 10)
     assert healthy.status_code == 200
-    ledger.record("fault injection", "engine loop stuck in a forward (stall limit 0.5 s)",
+    ledger.record("fault injection", f"engine loop stuck {where} (stall limit 0.5 s)",
                   f"/health turned 503 \"no engine step ...\" after {stuck_s:.1f} s and "
-                  "200 again once the step ended; the request completed", held=1, faults=1)
+                  "200 again once it moved; the request completed", held=1, faults=1)

@@ -22,7 +22,9 @@ from splitphase.reliability.ledger import Ledger
 from splitphase.reliability.loadgen import Outcome, open_loop, stream_request
 from splitphase.reliability.probe import scrape, wait_at_rest, wait_for
 from splitphase.server.process import ServerProcess
+from splitphase.server.state import ServerState
 
+Serve = Callable[..., tuple[str, LLM, ServerState]]  # the serve_inproc fixture
 LONG = {"prompt": [0, *range(300, 340)], "max_tokens": 200, "ignore_eos": True, "stream": True}
 
 
@@ -53,9 +55,9 @@ class StepCounter:
 
 
 @pytest.mark.parametrize("stage", ["mid-stream", "mid-prefill", "before the first byte"])
-def test_disconnect_frees_blocks_within_one_step(serve_inproc: Callable[..., tuple[str, LLM]],
+def test_disconnect_frees_blocks_within_one_step(serve_inproc: Serve,
                                                  stage: str, ledger: Ledger) -> None:
-    url, llm = serve_inproc()
+    url, llm, _ = serve_inproc()
     port = int(url.rsplit(":", 1)[1])
     sched = llm.engine.scheduler  # type: ignore[union-attr]
     steps = StepCounter(llm, 0.3 if stage == "mid-prefill" else 0.03)
@@ -84,12 +86,12 @@ def test_disconnect_frees_blocks_within_one_step(serve_inproc: Callable[..., tup
 
 
 def test_kv_pool_exhaustion_preempts_and_keeps_greedy_text(
-        serve_inproc: Callable[..., tuple[str, LLM]], tiny_ckpt: Path, ledger: Ledger) -> None:
+        serve_inproc: Serve, tiny_ckpt: Path, ledger: Ledger) -> None:
     prompts = [[0, *range(400 + 7 * i, 420 + 7 * i)] for i in range(8)]  # 21 tokens each
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = [c.text for c in LLM(model=str(tiny_ckpt)).generate(prompts, params)]
     # 12 blocks of 16 tokens: one request needs 6 at its end, 8 together need 48.
-    url, llm = serve_inproc(num_blocks=12)
+    url, llm, _ = serve_inproc(num_blocks=12)
     sched = llm.engine.scheduler  # type: ignore[union-attr]
     real_preempt, preempted = sched.preempt, []
 
@@ -159,9 +161,9 @@ def test_killed_decode_worker_fails_fast_then_is_restarted(disagg: ServerProcess
                   f"{restart_s:.1f} s; the next request succeeded", held=4, faults=1)
 
 
-def test_a_slow_reader_does_not_slow_the_others(serve_inproc: Callable[..., tuple[str, LLM]],
+def test_a_slow_reader_does_not_slow_the_others(serve_inproc: Serve,
                                                 ledger: Ledger) -> None:
-    url, _ = serve_inproc(sndbuf_bytes=4096)
+    url, _, _ = serve_inproc(sndbuf_bytes=4096)
     port = int(url.rsplit(":", 1)[1])
     bodies = [{"prompt": f"other {i}", "max_tokens": 32, "ignore_eos": True, "stream": True}
               for i in range(8)]

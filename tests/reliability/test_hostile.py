@@ -125,6 +125,33 @@ def _check_error(status: int, body: dict, expected: int, name: str) -> None:
     assert "Traceback" not in err["message"]
 
 
+def _barrage(url: str, auth: dict[str, str]) -> int:
+    """Send every case, the key cases and wrong methods/routes; returns how many were tried."""
+    tried = 0
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for name, path, body, expected in CASES:
+            resp = client.post(path, content=body, headers=auth)
+            if expected == 200:
+                assert resp.status_code == 200, (name, resp.text)
+                json.loads(resp.text)  # the answer is valid JSON whatever came in
+            else:
+                _check_error(resp.status_code, resp.json(), expected, name)
+            tried += 1
+        key_cases = [({}, "missing API key"),
+                     ({"Authorization": f"Bearer {WRONG_KEY}"}, "wrong API key"),
+                     ({"Authorization": KEY}, "API key without 'Bearer'"),
+                     ({"Authorization": "Basic " + KEY}, "the key as a Basic credential")]
+        for headers, name in key_cases:
+            resp = client.post(C, json={"prompt": "x"}, headers=headers)
+            _check_error(resp.status_code, resp.json(), 401, name)
+            tried += 1
+        for method, path, expected in (("GET", C, 405), ("POST", "/v2/nothing", 404)):
+            resp = client.request(method, path, headers=auth)
+            _check_error(resp.status_code, resp.json(), expected, f"{method} {path}")
+            tried += 1
+    return tried
+
+
 def test_hostile_inputs_get_their_documented_answer(guarded: ServerProcess,
                                                     ledger: Ledger) -> None:
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -142,27 +169,7 @@ def test_hostile_inputs_get_their_documented_answer(guarded: ServerProcess,
     runner.start()
     tried = 0
     try:
-        with httpx.Client(base_url=guarded.url, timeout=30) as client:
-            for name, path, body, expected in CASES:
-                resp = client.post(path, content=body, headers=auth)
-                if expected == 200:
-                    assert resp.status_code == 200, (name, resp.text)
-                    json.loads(resp.text)  # the answer is valid JSON whatever came in
-                else:
-                    _check_error(resp.status_code, resp.json(), expected, name)
-                tried += 1
-            key_cases = [({}, "missing API key"), ({"Authorization": f"Bearer {WRONG_KEY}"},
-                                                   "wrong API key"),
-                         ({"Authorization": KEY}, "API key without 'Bearer'"),
-                         ({"Authorization": "Basic " + KEY}, "the key as a Basic credential")]
-            for headers, name in key_cases:
-                resp = client.post(C, json={"prompt": "x"}, headers=headers)
-                _check_error(resp.status_code, resp.json(), 401, name)
-                tried += 1
-            for method, path, expected in (("GET", C, 405), ("POST", "/v2/nothing", 404)):
-                resp = client.request(method, path, headers=auth)
-                _check_error(resp.status_code, resp.json(), expected, f"{method} {path}")
-                tried += 1
+        tried += _barrage(guarded.url, auth)
         port = int(guarded.url.rsplit(":", 1)[1])
         for chunked in (False, True):  # 100 MB: declared, then chunked with no length
             status, body = _send_big(port, chunked)

@@ -119,7 +119,8 @@ class ServerState:
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, detail): the loop is alive, and a step ended recently if work waits."""
         age_s = time.monotonic() - self.engine.last_step_s
-        busy = self.engine.num_in_flight > 0
+        # Admitted requests count too: a loop stuck before it took them has no streams yet.
+        busy = self.engine.num_in_flight > 0 or self.in_flight > 0
         detail: dict[str, Any] = {
             "status": "ok", "model": self.config.model_id, "engine_running": self.engine.is_running,
             "in_flight": self.in_flight, "last_step_age_s": round(age_s, 3),
