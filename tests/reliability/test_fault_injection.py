@@ -148,8 +148,15 @@ def test_a_stuck_engine_loop_is_reported_unhealthy(
     if where == "in a forward":
         Forward(llm).gate = gate  # the next forward blocks until the gate opens
     else:  # the engine thread blocks in a command: the request is admitted, never added
-        threading.Thread(target=lambda: asyncio.run(state.engine.call(lambda: gate.wait(30))),
+        entered = threading.Event()
+
+        def block() -> None:
+            entered.set()
+            gate.wait(30)
+
+        threading.Thread(target=lambda: asyncio.run(state.engine.call(block)),
                          daemon=True).start()
+        assert entered.wait(10)
     assert httpx.get(url + "/health", timeout=5).status_code == 200
     result: list[httpx.Response] = []
     client = threading.Thread(target=lambda: result.append(httpx.post(
