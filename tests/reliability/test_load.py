@@ -16,10 +16,19 @@ MAX_TOKENS = 16
 TOPICS = ["the river", "a small engine", "the last train", "cache blocks", "a quiet city"]
 
 
-def _bodies(n: int) -> list[dict]:
-    return [{"prompt": f"Story {i} about {TOPICS[i % len(TOPICS)]}:" + " and then" * (i % 4),
-             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-            for i in range(n)]
+def _requests(url: str, n: int) -> tuple[list[str], list[dict]]:
+    """Half completions, half chat completions; greedy, MAX_TOKENS each."""
+    urls, bodies = [], []
+    for i in range(n):
+        text = f"Story {i} about {TOPICS[i % len(TOPICS)]}:" + " and then" * (i % 4)
+        body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+        if i % 2:
+            urls.append(url + "/v1/chat/completions")
+            bodies.append({**body, "messages": [{"role": "user", "content": text}]})
+        else:
+            urls.append(url + "/v1/completions")
+            bodies.append({**body, "prompt": text})
+    return urls, bodies
 
 
 def test_200_streaming_clients_open_loop(launch: Callable[..., ServerProcess],
@@ -29,8 +38,8 @@ def test_200_streaming_clients_open_loop(launch: Callable[..., ServerProcess],
     try:
         assert proc.url.startswith("http://127.0.0.1:")  # loopback only
         before = finished_total(scrape(proc.url))
-        outcomes, wall_s = asyncio.run(open_loop(proc.url + "/v1/completions",
-                                                 _bodies(CLIENTS), RATE_PER_S, timeout_s=120))
+        urls, bodies = _requests(proc.url, CLIENTS)
+        outcomes, wall_s = asyncio.run(open_loop(urls, bodies, RATE_PER_S, timeout_s=120))
         s = summarize(outcomes, wall_s)
         lost = [o for o in outcomes if o.lost]
         assert not lost, [(o.status, o.malformed, o.error_code) for o in lost[:5]]
@@ -45,8 +54,8 @@ def test_200_streaming_clients_open_loop(launch: Callable[..., ServerProcess],
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
     ledger.record(
-        "load", f"{CLIENTS} streaming clients, open loop (Poisson {RATE_PER_S:g}/s), "
-        f"embedded `small`, {MAX_TOKENS} tokens each",
+        "load", f"{CLIENTS} streaming clients (half chat), open loop (Poisson "
+        f"{RATE_PER_S:g}/s), embedded `small`, {MAX_TOKENS} tokens each",
         f"{s['completed']} full streams ending in [DONE], {s['refused_429']} explicit 429, "
         f"peak {s['peak_concurrency']} in flight; TTFT p50/p99 {_ms(s['ttft_p50_s'])}/"
         f"{_ms(s['ttft_p99_s'])} ms, ITL p50/p99 {_ms(s['itl_p50_s'])}/{_ms(s['itl_p99_s'])} "

@@ -150,26 +150,29 @@ def arrival_times(n: int, rate_per_s: float, poisson: bool = True,
     return out
 
 
-async def open_loop(url: str, bodies: Sequence[dict[str, Any]], rate_per_s: float,
-                    poisson: bool = True, seed: int = 0, timeout_s: float = 60.0,
+async def open_loop(url: str | Sequence[str], bodies: Sequence[dict[str, Any]],
+                    rate_per_s: float, poisson: bool = True, seed: int = 0,
+                    timeout_s: float = 60.0,
                     headers: dict[str, str] | None = None) -> tuple[list[Outcome], float]:
-    """Send `bodies` at their arrival times, all at once in flight; (outcomes, wall seconds)."""
+    """Send `bodies` (to `url`, or each to its own) at their arrival times, all at once in
+    flight; returns (outcomes, wall seconds)."""
     offsets = arrival_times(len(bodies), rate_per_s, poisson, seed)
+    urls = [url] * len(bodies) if isinstance(url, str) else list(url)
     limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
 
-        async def one(offset_s: float, body: dict[str, Any]) -> Outcome:
+        async def one(offset_s: float, target: str, body: dict[str, Any]) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + offset_s - time.perf_counter()))
             try:
-                return await asyncio.wait_for(stream_request(client, url, body, headers),
+                return await asyncio.wait_for(stream_request(client, target, body, headers),
                                               timeout_s)
             except asyncio.TimeoutError:
                 return Outcome(transport_error=f"no end within {timeout_s} s",
                                malformed="hang")
 
-        outcomes = await asyncio.gather(*(one(o, b) for o, b in
-                                          zip(offsets, bodies, strict=True)))
+        outcomes = await asyncio.gather(*(one(o, u, b) for o, u, b in
+                                          zip(offsets, urls, bodies, strict=True)))
         return list(outcomes), time.perf_counter() - t0
 
 
