@@ -20,7 +20,7 @@ from splitphase.engine.llm import LLM
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.reliability.ledger import Ledger
 from splitphase.reliability.loadgen import Outcome, open_loop, stream_request
-from splitphase.reliability.probe import scrape, wait_at_rest, wait_for
+from splitphase.reliability.probe import finished_total, scrape, wait_at_rest, wait_for
 from splitphase.server.process import ServerProcess
 from splitphase.server.state import ServerState
 
@@ -118,6 +118,32 @@ def disagg(tiny_ckpt: Path, launch: Callable[..., ServerProcess]) -> Iterator[Se
     proc = launch(tiny_ckpt, "--policy", "disaggregated")
     yield proc
     assert proc.stop() == 0, proc.log()[-3000:]
+
+
+def test_disaggregated_pair_under_load_and_disconnects(disagg: ServerProcess,
+                                                      ledger: Ledger) -> None:
+    before = finished_total(scrape(disagg.url))
+    bodies = [{"prompt": "pair " * (i % 9 + 1), "max_tokens": 24, "ignore_eos": True,
+               "stream": True, "temperature": 0} for i in range(60)]
+    outcomes, _ = asyncio.run(open_loop(disagg.url + "/v1/completions", bodies, 300.0))
+    assert all(o.completed for o in outcomes), [(o.status, o.malformed) for o in outcomes][:5]
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(5):
+                async with client.stream("POST", disagg.url + "/v1/completions",
+                                         json=LONG) as resp:
+                    async for _ in resp.aiter_raw():
+                        break
+
+    asyncio.run(leave_early())
+    metrics, rest_s = wait_at_rest(disagg.url, 10)  # KV blocks summed over both workers
+    assert metrics["kv_cache_blocks_used"] == 0 and metrics["num_requests_running"] == 0
+    assert finished_total(metrics) - before == 65
+    assert metrics["request_success_total|abort"] >= 5
+    ledger.record("load", "disaggregated pair: 60 open-loop streams, then 5 disconnects",
+                  f"60 full streams; 5 aborted mid-stream; KV blocks on both workers back to 0 "
+                  f"{rest_s:.1f} s later; finished counter = 65", held=65, faults=5)
 
 
 def test_killed_decode_worker_fails_fast_then_is_restarted(disagg: ServerProcess,

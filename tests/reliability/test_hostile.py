@@ -184,6 +184,8 @@ def test_hostile_inputs_get_their_documented_answer(guarded: ServerProcess,
     assert ok.status_code == 200
     log = guarded.log()
     assert KEY not in log and WRONG_KEY not in log  # no secret in the logs, not even at debug
+    for open_path in ("/health", "/metrics", "/openapi.json"):  # nor on the open routes
+        assert KEY not in httpx.get(guarded.url + open_path, timeout=10).text
     assert "Traceback" not in log
     rejected = tried - sum(1 for c in CASES if c[3] == 200)
     ledger.record("hostile input", "malformed, mistyped, huge, NaN, invalid Unicode, oversized "
