@@ -33,6 +33,7 @@ class DrainingServer(uvicorn.Server):
         self.state, self.timeout_s = state, timeout_s
         self._deadline_s: float | None = None
         self._cut_s: float | None = None  # when in-flight requests were ended with an error
+        self._why = f"its drain timeout of {timeout_s:g} s passed"
         self._signals = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -44,6 +45,7 @@ class DrainingServer(uvicorn.Server):
             self.state.begin_drain()
         elif self._signals == 2:  # the next tick ends in-flight requests with a 503
             self._deadline_s = time.monotonic()
+            self._why = "a second shutdown signal"
         else:  # a third stops now, without waiting for connections
             self.should_exit = True
             self.force_exit = True
@@ -57,7 +59,7 @@ class DrainingServer(uvicorn.Server):
                 # Their streams end with an error event and [DONE], not a cut connection.
                 log.warning("shutdown timeout: %d sequences still in flight end with 503",
                             self.state.in_flight)
-                self.state.cut_in_flight()
+                self.state.cut_in_flight(self._why)
                 self._cut_s = time.monotonic()
             elif self._cut_s is not None and time.monotonic() > self._cut_s + CUT_GRACE_S:
                 log.warning("%d sequences did not end after the 503; cutting",

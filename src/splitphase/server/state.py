@@ -69,11 +69,10 @@ class ServerState:
             log.info("draining: %d sequences in flight; new requests get 503", self.in_flight)
         self.draining = True
 
-    def cut_in_flight(self) -> None:
-        """Drain timeout: end what is in flight with a 503 (an error event, not a cut stream)."""
+    def cut_in_flight(self, why: str) -> None:
+        """End what is in flight with a 503 (an error event, not a cut stream) while stopping."""
         self.engine.fail_all(APIError(
-            503, f"the server is shutting down and its drain timeout "
-            f"({self.config.shutdown_timeout_s:g} s) passed; retry on another replica",
+            503, f"the server is shutting down ({why}); retry on another replica",
             code="shutting_down"))
 
     # ---- admission ---------------------------------------------------------------------------
