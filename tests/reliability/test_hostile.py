@@ -8,6 +8,7 @@ import json
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -195,3 +196,53 @@ def test_hostile_inputs_get_their_documented_answer(guarded: ServerProcess,
                   f"unknown fields); no 5xx, no traceback, no key in the debug log; a "
                   f"neighbour's {len(served)} streams all completed meanwhile",
                   held=len(served) + 1, bad_inputs=tried)
+
+
+HUGE = ["a 3.9 MB prompt", "300,000 prompts", "a 3.9 MB chat message", "/tokenize of 3.9 MB",
+        "/detokenize of 700,000 ids"]
+
+
+@pytest.mark.parametrize("what", HUGE)
+def test_a_huge_request_does_not_stall_other_streams(guarded: ServerProcess, ledger: Ledger,
+                                                     what: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = ("hello world, this is text. " * 150_000)[:3_900_000]  # under the 4 MiB limit
+    big, path, expected = {  # refused before tokenizing, or (tokenize) tokenized off-loop
+        HUGE[0]: ({"prompt": text}, C, 400),
+        HUGE[1]: ({"prompt": ["x y"] * 300_000}, C, 400),
+        HUGE[2]: ({"messages": [{"role": "user", "content": text}]}, CHAT, 400),
+        HUGE[3]: ({"prompt": text}, TOK, 200),
+        HUGE[4]: ({"tokens": list(range(1000, 1700)) * 1000}, DETOK, 200),
+    }[what]
+    gaps: list[float] = []
+    started = threading.Event()
+
+    def neighbour() -> None:  # one long stream: the largest gap between its chunks
+        body = {"prompt": [0, *range(300, 340)], "max_tokens": 210, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", guarded.url + C, json=body, headers=auth, timeout=60) as r:
+            last = None
+            for _ in r.iter_raw():
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                started.set()
+
+    runner = threading.Thread(target=neighbour)
+    runner.start()
+    assert started.wait(30)
+    t0 = time.perf_counter()
+    resp = httpx.post(guarded.url + path, json=big, headers=auth, timeout=60)
+    big_s = time.perf_counter() - t0
+    runner.join(60)
+    if expected == 200:
+        assert resp.status_code == 200 and len(resp.text) > 1_000_000
+    else:
+        _check_error(resp.status_code, resp.json(), 400, what)
+    # Before the fix the event loop tokenized (holding the GIL) for seconds: the neighbour
+    # got nothing for the whole of it.
+    assert max(gaps) < max(0.5, big_s / 2), (max(gaps), big_s)
+    ledger.record("hostile input", f"{what} beside a streaming client",
+                  f"answered {resp.status_code} in {big_s:.2f} s; the neighbour's longest "
+                  f"pause {max(gaps) * 1e3:.0f} ms", held=2, bad_inputs=1)

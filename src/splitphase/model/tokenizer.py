@@ -79,6 +79,14 @@ class Tokenizer:
         return out
 
     @property
+    def max_token_chars(self) -> int | None:
+        """The most input characters one token can cover (its bytes: a character is at least
+        one); None when a normalizer may shrink the text first, so that no such bound holds."""
+        if self._inner.normalizer is not None:
+            return None
+        return max((len(b) for b in self._bytes), default=1)
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return int(self._inner.get_vocab_size(with_added_tokens=True))
@@ -108,7 +116,12 @@ class Tokenizer:
         """Text -> ids; special-token strings in `text` stay plain text unless parse_special."""
         inner = self._inner if parse_special else self._literal
         check_unicode(text)
-        ids: list[int] = inner.encode(text, add_special_tokens=False).ids
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode` holds the GIL for the whole call (seconds for megabytes, every other
+            # thread frozen); `encode_batch` releases it and gives the same ids.
+            ids: list[int] = inner.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = inner.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self._bos_id is None:
                 raise ValueError("this tokenizer has no bos token; call encode(add_bos=False)")
@@ -169,6 +182,9 @@ class Tokenizer:
         """The shipped tokenizer (assets/tokenizer.json, trained on the train split)."""
         text = resources.files("splitphase").joinpath("assets/tokenizer.json").read_text("utf-8")
         return cls(HFTokenizer.from_str(text))
+
+
+RELEASE_GIL_CHARS = 8192  # longer texts are encoded without holding the GIL
 
 
 def check_unicode(text: str) -> None:
