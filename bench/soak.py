@@ -78,7 +78,7 @@ async def one(client: httpx.AsyncClient, url: str, kind: str, i: int,
                                      headers={"Content-Type": "application/json"})
             shaped = resp.status_code == 400 and set(resp.json()["error"]) == {
                 "message", "type", "param", "code"}
-            rec["outcome"] = "400" if shaped else "LOST"
+            rec["outcome"] = "rejected 400" if shaped else "LOST"
         else:
             timeout = 0.05 if kind == "timeout" else None  # 4x the tokens: it gives up
             n_tokens = 4 * max_tokens if kind == "timeout" else max_tokens
@@ -180,8 +180,8 @@ def _record(args: argparse.Namespace, recs: list[dict[str, Any]], wall_s: float,
                     f"{k} {v}" for k, v in sorted(counts.items()))
                 + ("; server at rest after" if ok else "; FAILED"),
                 held=sum(counts.get(k, 0) for k in ("completed", "refused", "error event",
-                                                     "400")), lost=lost,
-                bad_inputs=counts.get("400", 0),
+                                                     "rejected 400")), lost=lost,
+                bad_inputs=counts.get("rejected 400", 0),
                 faults=counts.get("left", 0) + counts.get("gave up", 0),
                 figures={"recs": len(recs), "wall_s": wall_s, "outcomes": dict(counts)})
     book.write(args.ledger)
