@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from splitphase.engine.async_engine import AsyncEngine
 from splitphase.server.supervisor import WorkerSupervisor
@@ -49,14 +50,14 @@ class FakePair:
         return False
 
 
-async def _until(cond, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not cond() and loop.time() < deadline:
         await asyncio.sleep(0.01)
 
 
-def _run(pair: FakePair, check) -> None:  # type: ignore[no-untyped-def]
+def _run(pair: FakePair, check: Callable[[WorkerSupervisor], Awaitable[None]]) -> None:
     engine = AsyncEngine(pair)  # type: ignore[arg-type]
     engine.start()
 
