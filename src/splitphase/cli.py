@@ -76,6 +76,7 @@ def _serve(args: argparse.Namespace) -> None:
         device=args.device,
         dtype=args.dtype,
         shutdown_timeout_s=args.shutdown_timeout,
+        health_stall_s=args.health_stall_timeout,
     )
     serve(config, args.host, args.port, args.log_level)
 
@@ -101,6 +102,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may finish after SIGTERM")
+    sv.add_argument("--health-stall-timeout", type=float, default=30.0,
+                    help="/health answers 503 when no engine step ended for this many seconds "
+                    "with work queued (a stuck engine loop)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 

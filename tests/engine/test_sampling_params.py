@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from splitphase.engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
+    MAX_STOP,
     SamplingParams,
     SamplingParamsError,
 )
@@ -70,6 +71,12 @@ def test_bad_field_names_field_value_and_range(name: str, value: object) -> None
     msg = str(err.value)
     assert msg.startswith(f"{name} must be") and repr(value) in msg and "got" in msg
     assert isinstance(err.value, ValueError)
+
+
+def test_too_many_stop_strings_name_the_limit_not_the_list() -> None:
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP)]).stop) == MAX_STOP
+    with pytest.raises(SamplingParamsError, match=f"at most {MAX_STOP} strings, got 5000$"):
+        SamplingParams(stop=[f"s{i}" for i in range(5000)])
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitphase.model.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from splitphase.errors import UserError
+from splitphase.model.tokenizer import (
+    RELEASE_GIL_CHARS,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    train_tokenizer,
+)
 
 TOK = Tokenizer.default()
 ASTRAL = st.characters(min_codepoint=0x10000, max_codepoint=0x10FFFF, exclude_categories=["Cs"])
@@ -79,3 +87,30 @@ def test_train_tokenizer_deterministic() -> None:
     assert a.decode(a.encode("ünïcode 𝔘")) == "ünïcode 𝔘"
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(texts, vocab_size=100)
+
+
+@pytest.mark.parametrize("text", ["ab\ud800cd", "\udfff", "ok \ud83d"])
+def test_lone_surrogates_are_a_user_error_not_a_crash(text: str) -> None:
+    # JSON may carry "\ud800"; the Rust tokenizer raised a TypeError on it (a 500 in serve).
+    with pytest.raises(UserError, match="surrogate"):
+        Tokenizer.default().encode(text)
+    with pytest.raises(UserError, match="surrogate"):
+        Tokenizer.default().encode(text, parse_special=True)
+    assert Tokenizer.default().encode("\ud83d\ude00".encode("utf-16", "surrogatepass")
+                                      .decode("utf-16")) != []  # a paired surrogate is fine
+
+
+def test_long_texts_encode_the_same_without_holding_the_gil() -> None:
+    text = "Hello, wörld! <|endoftext|> 你好 " * 40_000  # 1.1 M characters
+    assert len(text) > RELEASE_GIL_CHARS
+    ids: list[int] = []
+    worker = threading.Thread(target=lambda: ids.extend(TOK.encode(text, parse_special=True)))
+    ticks = 0
+    worker.start()
+    while worker.is_alive():  # this thread keeps running while the other one encodes
+        time.sleep(0.001)
+        ticks += 1
+    worker.join()
+    assert ids == TOK.hf.encode(text, add_special_tokens=False).ids  # the same ids as encode
+    assert TOK.decode(TOK.encode(text)) == text
+    assert ticks >= 20, ticks

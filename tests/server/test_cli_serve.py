@@ -45,6 +45,11 @@ def test_policies_and_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="max-queue"):
         ServerConfig(max_queue=-1)
     assert ServerConfig(api_key="k").redacted()["api_key"] == "<set>"
+    assert args.health_stall_timeout == 30.0
+    assert build_parser().parse_args(["serve", "--health-stall-timeout", "2"]) \
+        .health_stall_timeout == 2.0
+    with pytest.raises(ValueError, match="health_stall_s must be > 0"):
+        ServerConfig(health_stall_s=0)
 
 
 def test_disaggregated_needs_its_engine_module(monkeypatch: pytest.MonkeyPatch) -> None:

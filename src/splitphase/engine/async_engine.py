@@ -51,6 +51,10 @@ class StepEngine(Protocol):
 class EngineStepError(RuntimeError):
     """The model step that served this request failed; the request was ended."""
 
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause  # what the step raised (a WorkerDiedError: the pair lost a worker)
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop is not running."""
@@ -158,6 +162,11 @@ class AsyncEngine:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._commands.put((lambda: self._abort_now(request_id), fut))
 
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request in flight with `exc` (from any thread; before the next step)."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put((lambda: self._fail_in_flight(exc), fut))
+
     def _abort_now(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         for rid in [r for r in self._streams if r == request_id or r.startswith(request_id + "#")]:
@@ -206,7 +215,8 @@ class AsyncEngine:
                 log.error("engine step failed: %r", exc.cause)
                 self.error_count += 1
                 for rid in exc.request_ids:
-                    self._deliver(rid, EngineStepError(f"request {rid} failed: {exc.cause!r}"))
+                    err = EngineStepError(f"request {rid} failed: {exc.cause!r}", exc.cause)
+                    self._deliver(rid, err)
                     self._streams.pop(rid, None)
                 self._publish_steps()
                 continue

@@ -229,6 +229,13 @@ class DisaggregatedEngine:
         """Role -> why, for each worker lost since the last (re)start (for health checks)."""
         return dict(self._dead)
 
+    def check_workers(self) -> dict[str, str]:
+        """Read worker news and check both processes now (idle too); returns `dead_workers`."""
+        self._check_open()
+        self._pump(0.0)
+        self._check_liveness()
+        return self.dead_workers
+
     @property
     def max_model_len(self) -> int:
         """The longest request (prompt + max_tokens) both workers can hold."""

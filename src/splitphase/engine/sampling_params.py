@@ -13,6 +13,9 @@ from typing import Any
 MAX_N = 16  # parallel samples per request; each is a sequence holding KV blocks
 MAX_LOGPROBS = 20  # top-N log-probabilities per token, as the OpenAI API allows
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64
+# Every stop string is searched after every token on the engine thread, which all requests
+# share: thousands of them would slow everyone (OpenAI allows 4; lm-eval sends a handful).
+MAX_STOP = 64
 
 
 class SamplingParamsError(ValueError):
@@ -89,6 +92,10 @@ class SamplingParams:
         items = (stop,) if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)):
             raise _fail("stop", stop, "a string or a list of strings")
+        if len(items) > MAX_STOP:
+            raise SamplingParamsError(
+                f"stop must hold at most {MAX_STOP} strings, got {len(items)}"
+            )
         for s in items:
             # An empty stop string would match before the first token (vLLM rejects it too).
             if not isinstance(s, str) or not s:

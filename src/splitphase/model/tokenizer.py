@@ -18,6 +18,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from splitphase.errors import UserError
+
 ENDOFTEXT = "<|endoftext|>"
 # Order fixes the ids: <|endoftext|> is id 0 (bos, eos and document separator).
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -77,6 +79,14 @@ class Tokenizer:
         return out
 
     @property
+    def max_token_chars(self) -> int | None:
+        """The most input characters one token can cover (its bytes: a character is at least
+        one); None when a normalizer may shrink the text first, so that no such bound holds."""
+        if self._inner.normalizer is not None:
+            return None
+        return max((len(b) for b in self._bytes), default=1)
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return int(self._inner.get_vocab_size(with_added_tokens=True))
@@ -105,7 +115,13 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False, parse_special: bool = False) -> list[int]:
         """Text -> ids; special-token strings in `text` stay plain text unless parse_special."""
         inner = self._inner if parse_special else self._literal
-        ids: list[int] = inner.encode(text, add_special_tokens=False).ids
+        check_unicode(text)
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode` holds the GIL for the whole call (seconds for megabytes, every other
+            # thread frozen); `encode_batch` releases it and gives the same ids.
+            ids: list[int] = inner.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = inner.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self._bos_id is None:
                 raise ValueError("this tokenizer has no bos token; call encode(add_bos=False)")
@@ -166,6 +182,22 @@ class Tokenizer:
         """The shipped tokenizer (assets/tokenizer.json, trained on the train split)."""
         text = resources.files("splitphase").joinpath("assets/tokenizer.json").read_text("utf-8")
         return cls(HFTokenizer.from_str(text))
+
+
+RELEASE_GIL_CHARS = 8192  # longer texts are encoded without holding the GIL
+
+
+def check_unicode(text: str) -> None:
+    """UserError for text that is not valid Unicode (a lone UTF-16 surrogate, as JSON allows)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(
+            f"the text holds a lone UTF-16 surrogate ({text[exc.start]!r} at character "
+            f"{exc.start}); send valid Unicode (pair the surrogates or drop them)"
+        ) from None
 
 
 def _token_str(value: object) -> str | None:

@@ -10,6 +10,7 @@ before a port is taken); the engine loop starts and stops with the app's lifespa
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -99,33 +100,45 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _tokenizer_routes(app: FastAPI, state: ServerState) -> None:
-    tok = state.tokenizer
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    # Both run on a worker thread and answer pre-serialized JSON: tokenizing 4 MB of text, or
+    # serializing a million ids through FastAPI's encoder, would stall every stream for seconds.
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> Response:
         state.check_model(body.model)
-        if body.messages is not None:
-            ids = state.chat.encode(message_dicts(body.messages), body.add_generation_prompt)
-        elif body.prompt is not None:
-            # Special-token text is parsed, as Hugging Face tokenizers do (clients look up
-            # the eos id by tokenizing its text).
-            bos = body.add_special_tokens and tok.bos_token_id is not None
-            ids = tok.encode(body.prompt, add_bos=bos, parse_special=True)
-        else:
-            raise bad_request("give `prompt` (text) or `messages`", "prompt")
-        strs = [TokenText(tok)(i) for i in ids] if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
-                                token_strs=strs)
+        return await asyncio.to_thread(_tokenize, state, body)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> Response:
         state.check_model(body.model)
-        check_token_ids(body.tokens, tok.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=tok.decode(body.tokens, skip_special_tokens=False))
+        return await asyncio.to_thread(_detokenize, state, body)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
         return _tokenizer_info(state)
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> Response:
+    tok = state.tokenizer
+    if body.messages is not None:
+        ids = state.chat.encode(message_dicts(body.messages), body.add_generation_prompt)
+    elif body.prompt is not None:
+        # Special-token text is parsed, as Hugging Face tokenizers do (clients look up the eos
+        # id by tokenizing its text).
+        bos = body.add_special_tokens and tok.bos_token_id is not None
+        ids = tok.encode(body.prompt, add_bos=bos, parse_special=True)
+    else:
+        raise bad_request("give `prompt` (text) or `messages`", "prompt")
+    strs = [TokenText(tok)(i) for i in ids] if body.return_token_strs else None
+    out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                           token_strs=strs)
+    return Response(out.model_dump_json(), media_type="application/json")
+
+
+def _detokenize(state: ServerState, body: DetokenizeRequest) -> Response:
+    check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
+    out = DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens,
+                                                           skip_special_tokens=False))
+    return Response(out.model_dump_json(), media_type="application/json")
 
 
 def _tokenizer_info(state: ServerState) -> dict[str, Any]:

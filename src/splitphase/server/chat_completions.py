@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +25,12 @@ from splitphase.server.protocol import (
     ChatResponseMessage,
     Usage,
 )
-from splitphase.server.sampling import check_context, checked_max_tokens, sampling_params
+from splitphase.server.sampling import (
+    check_context,
+    check_text_fits,
+    checked_max_tokens,
+    sampling_params,
+)
 from splitphase.server.sse import DONE, SSEResponse, run_to_end, sse, sse_error
 from splitphase.server.state import ServerState
 
@@ -57,7 +63,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     state.check_model(body.model)
     _check_unsupported(body)
     messages = message_dicts(body.messages)
-    ids = state.chat.encode(messages, add_generation_prompt=body.add_generation_prompt is not False)
+    check_text_fits(state.tokenizer, "".join(m["content"] for m in messages),
+                    state.max_model_len, "messages")
+    # Off the event loop: tokenizing long messages must not stall everyone else's streams.
+    ids = await asyncio.to_thread(state.chat.encode, messages,
+                                  body.add_generation_prompt is not False)
     room = state.max_model_len - len(ids)
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens

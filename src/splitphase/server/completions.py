@@ -7,6 +7,7 @@ still samples one token, which is dropped from the answer).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,7 +61,10 @@ async def create_completion(state: ServerState, body: CompletionRequest,
     state.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported; omit it", "suffix")
-    prompts = completion_prompts(state.tokenizer, body.prompt, state.vocab_size)
+    seats = state.config.max_num_seqs + state.config.max_queue
+    # Off the event loop: tokenizing a long prompt must not stall everyone else's streams.
+    prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, body.prompt,
+                                      state.vocab_size, state.max_model_len, seats)
     echo = bool(body.echo)
     max_tokens = checked_max_tokens(body.max_tokens, DEFAULT_MAX_TOKENS, allow_zero=echo)
     params = sampling_params(body, max(1, max_tokens), body.logprobs)

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitphase.errors import UserError
+
 log = logging.getLogger("splitphase.server")
 
 _TYPES = {
@@ -110,6 +112,11 @@ def install_error_handlers(app: FastAPI) -> None:
         # Wrong types are the client's to fix: 400 as OpenAI and vLLM answer, never a 422 trace.
         message, param = _validation_message(exc)
         return bad_request(message, param).response()
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, exc: UserError) -> JSONResponse:
+        # Input the client can fix that only a deeper layer could judge (e.g. invalid Unicode).
+        return bad_request(str(exc)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from splitphase.engine.async_engine import EngineDeadError, EngineStepError
+from splitphase.engine.disagg_config import WorkerDiedError
 from splitphase.engine.llm_engine import RequestOutput
 from splitphase.engine.sampler import SampledToken
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
 from splitphase.server.errors import APIError, bad_request
 from splitphase.server.protocol import Timings
-from splitphase.server.state import ServerState
+from splitphase.server.state import RETRY_AFTER_S, ServerState
 
 _END = object()  # a prompt's stream is done
 
@@ -185,6 +186,12 @@ def map_engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running ({exc}); retry later",
                         code="engine_unavailable")
+    died = exc if isinstance(exc, WorkerDiedError) else getattr(exc, "cause", None)
+    if isinstance(died, WorkerDiedError):  # not this request's fault: the pair is restarted
+        why = str(died).split("; call restart()")[0]  # the server restarts it, not the client
+        return APIError(503, f"a worker of the disaggregated pair failed ({why}); the server "
+                        f"restarts it: retry after {RETRY_AFTER_S} s", code="worker_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineStepError):
         return APIError(500, f"the model step serving this request failed: {exc}",
                         code="engine_step_failed")

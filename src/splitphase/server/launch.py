@@ -2,8 +2,10 @@
 
 The first SIGTERM (or Ctrl+C) starts a drain: the port stays open so new requests get a clean
 503 (and /health fails, so a load balancer stops routing here), in-flight requests run to the
-end, and uvicorn stops once none is left or `shutdown_timeout_s` passed. A second signal
-stops at once (streams still open are cut and their requests aborted).
+end, and uvicorn stops once none is left. Past `shutdown_timeout_s` (or at a second signal)
+the requests still in flight end with a 503 error (an SSE `error` event then `[DONE]`, never a
+stream cut mid-event) and the server stops once those are written (or CUT_GRACE_S later). A
+third signal stops at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from splitphase.errors import UserError
 from splitphase.server.state import ServerState
 
 log = logging.getLogger("splitphase.server")
+CUT_GRACE_S = 2.0  # after the drain timeout: time for the 503 error events to be written
 
 
 class DrainingServer(uvicorn.Server):
@@ -29,6 +32,8 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.timeout_s = state, timeout_s
         self._deadline_s: float | None = None
+        self._cut_s: float | None = None  # when in-flight requests were ended with an error
+        self._why = f"its drain timeout of {timeout_s:g} s passed"
         self._signals = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -38,17 +43,26 @@ class DrainingServer(uvicorn.Server):
         if self._signals == 1:
             self._deadline_s = time.monotonic() + self.timeout_s
             self.state.begin_drain()
-        else:  # a second signal stops now; a third skips the connection wait too
+        elif self._signals == 2:  # the next tick ends in-flight requests with a 503
+            self._deadline_s = time.monotonic()
+            self._why = "a second shutdown signal"
+        else:  # a third stops now, without waiting for connections
             self.should_exit = True
-            self.force_exit = self._signals > 2
+            self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
         if self._deadline_s is not None and not self.should_exit:
             if self.state.in_flight == 0:
                 log.info("drained: shutting down")
                 self.should_exit = True
-            elif time.monotonic() > self._deadline_s:
-                log.warning("shutdown timeout: %d sequences still in flight are cut",
+            elif self._cut_s is None and time.monotonic() > self._deadline_s:
+                # Their streams end with an error event and [DONE], not a cut connection.
+                log.warning("shutdown timeout: %d sequences still in flight end with 503",
+                            self.state.in_flight)
+                self.state.cut_in_flight(self._why)
+                self._cut_s = time.monotonic()
+            elif self._cut_s is not None and time.monotonic() > self._cut_s + CUT_GRACE_S:
+                log.warning("%d sequences did not end after the 503; cutting",
                             self.state.in_flight)
                 self.should_exit = True
         return await super().on_tick(counter)

@@ -15,9 +15,14 @@ from splitphase.server.protocol import PromptInput, _Sampling
 
 
 def completion_prompts(
-    tokenizer: Tokenizer, prompt: PromptInput, vocab_size: int
+    tokenizer: Tokenizer, prompt: PromptInput, vocab_size: int,
+    max_model_len: int | None = None, max_prompts: int | None = None,
 ) -> list[tuple[list[int], str | None]]:
-    """(token ids, original text or None) per prompt; text gets the bos as the engine adds it."""
+    """(token ids, original text or None) per prompt; text gets the bos as the engine adds it.
+
+    With `max_model_len` and `max_prompts`, what cannot be served is refused before it is
+    tokenized (a 4 MB prompt costs seconds of tokenizer time).
+    """
     if isinstance(prompt, str):
         items: Sequence[str | list[int]] = [prompt]
     elif not prompt:
@@ -26,10 +31,15 @@ def completion_prompts(
         items = [list(prompt)]  # one token-id prompt
     else:
         items = prompt  # a batch of texts or of token-id lists
+    if max_prompts is not None and len(items) > max_prompts:
+        raise bad_request(f"the request has {len(items)} prompts; this server admits at most "
+                          f"{max_prompts} sequences at once", "prompt")
     out: list[tuple[list[int], str | None]] = []
     add_bos = tokenizer.bos_token_id is not None
     for i, item in enumerate(items):
         if isinstance(item, str):
+            if max_model_len is not None:
+                check_text_fits(tokenizer, item, max_model_len, "prompt")
             out.append((tokenizer.encode(item, add_bos=add_bos), item))
         else:
             check_token_ids(item, vocab_size, f"prompt[{i}]" if len(items) > 1 else "prompt")
@@ -37,6 +47,16 @@ def completion_prompts(
         if not out[-1][0]:
             raise bad_request(f"prompt {i} is empty", "prompt")
     return out
+
+
+def check_text_fits(tokenizer: Tokenizer, text: str, max_model_len: int, param: str) -> None:
+    """400 for a text that cannot fit the context whatever it tokenizes to (no tokenizing)."""
+    per_token = tokenizer.max_token_chars
+    if per_token is not None and len(text) > max_model_len * per_token:
+        raise bad_request(
+            f"the text has {len(text)} characters, so at least {-(-len(text) // per_token)} "
+            f"tokens (a token covers at most {per_token} characters): more than the context "
+            f"length {max_model_len}; shorten it", param, "context_length_exceeded")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:

@@ -21,6 +21,7 @@ from splitphase.server.chat import ChatTemplate
 from splitphase.server.config import ServerConfig
 from splitphase.server.errors import APIError, bad_request
 from splitphase.server.metrics import EngineStats, ServerMetrics
+from splitphase.server.supervisor import WorkerSupervisor
 
 log = logging.getLogger("splitphase.server")
 RETRY_AFTER_S = 1
@@ -44,15 +45,21 @@ class ServerState:
         self.draining = False
         self._model_names = {config.model_id, config.model, Path(config.model).name}
         self._last_stats = EngineStats(0, 0)
+        self.supervisor: WorkerSupervisor | None = None  # a disaggregated pair's restarter
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine loop."""
+        """Start the engine loop (and, for a worker pair, its supervisor: on the event loop)."""
         self.engine.start()
+        if hasattr(self.llm.engine, "check_workers") and self.supervisor is None:
+            self.supervisor = WorkerSupervisor(self.engine, self.llm.engine)  # type: ignore[arg-type]
+            self.supervisor.start()
 
     def stop(self) -> None:
         """Stop the engine loop (in-flight requests end with 503) and release workers."""
         self.draining = True
+        if self.supervisor is not None:
+            self.supervisor.stop()
         self.engine.shutdown()
         self.llm.close()
 
@@ -61,6 +68,12 @@ class ServerState:
         if not self.draining:
             log.info("draining: %d sequences in flight; new requests get 503", self.in_flight)
         self.draining = True
+
+    def cut_in_flight(self, why: str) -> None:
+        """End what is in flight with a 503 (an error event, not a cut stream) while stopping."""
+        self.engine.fail_all(APIError(
+            503, f"the server is shutting down ({why}); retry on another replica",
+            code="shutting_down"))
 
     # ---- admission ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -79,6 +92,10 @@ class ServerState:
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running; retry later",
                            code="engine_unavailable")
+        if self.supervisor is not None and not self.supervisor.serving:
+            raise APIError(503, f"a worker of the disaggregated pair is being restarted; retry "
+                           f"after {RETRY_AFTER_S} s", code="worker_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         seats = self.config.max_num_seqs + self.config.max_queue
         if num_seqs > seats:
             raise bad_request(f"the request asks for {num_seqs} sequences (prompts x n); this "
@@ -101,12 +118,15 @@ class ServerState:
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, detail): the loop is alive, and a step ended recently if work waits."""
         age_s = time.monotonic() - self.engine.last_step_s
-        busy = self.engine.num_in_flight > 0
+        # Admitted requests count too: a loop stuck before it took them has no streams yet.
+        busy = self.engine.num_in_flight > 0 or self.in_flight > 0
         detail: dict[str, Any] = {
             "status": "ok", "model": self.config.model_id, "engine_running": self.engine.is_running,
             "in_flight": self.in_flight, "last_step_age_s": round(age_s, 3),
             "step_errors": self.engine.error_count,
         }
+        if self.supervisor is not None:
+            detail.update(self.supervisor.status())
         problem = None
         if self.draining:
             problem = "draining"
@@ -114,6 +134,8 @@ class ServerState:
             problem = "engine loop is not running"
         elif busy and age_s > self.config.health_stall_s:
             problem = f"no engine step for {age_s:.1f} s with work queued"
+        elif self.supervisor is not None and not self.supervisor.serving:
+            problem = "a worker is dead or restarting"
         if problem:
             detail["status"] = "unhealthy"
             detail["reason"] = problem
