@@ -63,15 +63,14 @@ class PlanInputs:
     length_cap: int | None = None  # prompt + output tokens per request; None: the model context
 
     def horizon_s(self) -> float:
-        """Arrival span a probe must cover so overload shows as SLO misses, not as a short burst
-        the cluster drains in time: twice one request's latency budget (a backlog growing at
-        a fraction e of the rate reaches the budget after 1/e budgets: about 50% overload is
-        caught for sure, smaller overloads when num_requests spans longer)."""
+        """Arrival span a probe should cover so queueing shows in its latencies, not only the
+        start-up transient: twice one request's latency budget. Probes stay below the unit's
+        measured capacity (`saturation_rate`), so a short span cannot hide an overload."""
         return 2 * (self.slo.ttft_s + self.workload.mean_output_len * self.slo.tpot_s)
 
     def probe_requests(self, rate_per_s: float) -> int | None:
         """Requests for a probe at `rate_per_s`: num_requests, more if the horizon needs them;
-        None past max_requests_factor x num_requests (the rate cannot be checked)."""
+        None past max_requests_factor x num_requests."""
         need = max(self.num_requests, math.ceil(rate_per_s * self.horizon_s()))
         return None if need > self.num_requests * self.max_requests_factor else need
 
@@ -86,7 +85,8 @@ class Candidate:
     at_goodput: dict[str, Any] | None = None
     copies: int | None = None
     verified: dict[str, Any] | None = None
-    probe_limited: bool = False  # a higher rate was not checked: it needed too many requests
+    probe_limited: bool = False  # a probe used fewer requests than its horizon asked for
+    capacity_rate_per_s: float = 0.0  # saturation throughput (the search's upper end)
 
     @property
     def unit_gpus(self) -> int:
@@ -163,24 +163,14 @@ def candidate_units(inp: PlanInputs, longest_request: int) -> list[ClusterConfig
     return units
 
 
-def _capacity_guess(inp: PlanInputs, unit: ClusterConfig) -> float:
-    """Requests/s a unit could take at full use, from the cost model (a search start point)."""
-    p, o = inp.workload.mean_prompt_len, inp.workload.mean_output_len
-    ctx = int(p + o / 2)
-
-    def times(tp: int) -> tuple[float, float]:
-        c = CostModel(inp.model, inp.hardware, tp, inp.efficiency)
-        pre = c.step_time([(max(1, int(p)), 0)], []).total_s
-        dec = c.step_time([], [ctx] * 64).total_s / 64 * o
-        return pre, dec
-
-    if unit.colocated is not None:
-        pre, dec = times(unit.colocated.tp)
-        return unit.colocated.replicas / (pre + dec)
-    assert unit.prefill is not None and unit.decode is not None
-    pre, _ = times(unit.prefill.tp)
-    _, dec = times(unit.decode.tp)
-    return min(unit.prefill.replicas / pre, unit.decode.replicas / dec)
+def saturation_rate(inp: PlanInputs, unit: ClusterConfig) -> float:
+    """Requests/s the unit completes when it never runs dry (a burst of requests at once):
+    its capacity. No rate above it can meet any SLO for long, so the search stays below it."""
+    seats = sum(p.replicas * p.scheduler.max_num_seqs for p in unit.pools())
+    n = max(inp.num_requests, min(2 * seats, 4 * inp.num_requests))
+    reqs = inp.workload.with_rate(1e9).generate(n, inp.seed, _max_len(inp))
+    res = simulate(unit, inp.model, inp.hardware, reqs)
+    return n / max(res.makespan_s - reqs[0].arrival_s, 1e-12)
 
 
 def run_at(inp: PlanInputs, cluster: ClusterConfig, rate_per_s: float, num_requests: int
@@ -196,9 +186,9 @@ def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:
 
     def ok(rate: float) -> bool:
         n = inp.probe_requests(rate)
-        if n is None:  # counts as a miss: a short burst would pass without proving anything
+        if n is None:  # the horizon needs more requests than allowed: probe with the cap
             cand.probe_limited = True
-            return False
+            n = inp.num_requests * inp.max_requests_factor
         res, _ = run_at(inp, unit, rate, n)
         att = attainment(res.records, inp.slo)
         cand.curve.append((rate, att))
@@ -207,20 +197,17 @@ def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:
             cand.at_goodput = summarize(res, inp.slo, inp.hardware.price_usd_per_hour)
         return att >= inp.slo.attainment
 
-    # Start above the analytical capacity (batching can beat the guess), halve until the SLOs
-    # hold, grow at most twice more, then bisect.
-    rate = 2 * _capacity_guess(inp, unit)
-    lo, hi, grown = 0.0, math.inf, 0
-    for _ in range(12):
+    # From the unit's capacity down by halves until the SLOs hold, then bisect.
+    cand.capacity_rate_per_s = rate = saturation_rate(inp, unit)
+    lo, hi = 0.0, rate
+    for _ in range(10):
         if ok(rate):
-            lo, rate, grown = rate, rate * 2, grown + 1
-        else:
-            hi, rate = rate, rate / 2
-        if (lo > 0 and hi < math.inf) or grown > 2:
+            lo = rate
             break
+        hi, rate = rate, rate / 2
     if lo == 0.0:
         return cand  # fails even at a trickle: the SLO cannot be met by this unit
-    for _ in range(inp.bisect_steps if hi < math.inf else 0):
+    for _ in range(inp.bisect_steps if hi > lo else 0):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     cand.curve.sort()
