@@ -1,4 +1,4 @@
-"""Fit the cost model's efficiency factors to measured engine steps (least relative error).
+"""Fit the cost model's efficiency factors to measured engine steps (weighted least squares).
 
 Each sample is one step as scheduled (prefill chunks and decode context lengths) with its
 measured wall time. The FLOP/byte parts of every step are computed once; a grid over the FLOP
@@ -19,7 +19,7 @@ from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
 from splitphase.sim.cost_model import CostModel, Efficiency
 
-_FRACTIONS = np.geomspace(1e-3, 1.5, 40)
+_FRACTIONS = np.geomspace(1e-3, 1.5, 48)
 _HALF_TOKENS = (0.0, 16.0, 64.0, 256.0)
 
 
@@ -52,7 +52,17 @@ def fit_efficiency(model: ModelConfig, hardware: HardwareSpec, samples: Sequence
     p = _parts(model, samples, dtype_bytes)
     dense_f, dense_b, attn_f, attn_b, tokens, seqs, wall = p.T
     peak, bw = hardware.peak_flops_per_s(dtype), hardware.mem_bandwidth_bytes_per_s
-    weight = 1.0 / wall  # relative error: every step counts the same
+    # Steps that carry prompt tokens and decode-only steps weigh the same in total: TTFT rests
+    # on the first kind, TPOT mostly on the second.
+    has_prefill = np.array([bool(s.chunks) for s in samples])
+    n_pre = max(int(has_prefill.sum()), 1)
+    n_dec = max(int((~has_prefill).sum()), 1)
+    # Absolute error within each kind (scaled by its mean step), so the fit follows mean step
+    # times: latencies add steps up, and a busy machine's slow outliers belong in the mean.
+    pre_mean = float(wall[has_prefill].mean()) if has_prefill.any() else 1.0
+    dec_mean = float(wall[~has_prefill].mean()) if (~has_prefill).any() else 1.0
+    weight = np.where(has_prefill, 1.0 / (np.sqrt(n_pre) * pre_mean),
+                      1.0 / (np.sqrt(n_dec) * dec_mean))
     design = np.stack([np.ones_like(wall), seqs], axis=1) * weight[:, None]
     best: tuple[float, Efficiency] | None = None
     for half in _HALF_TOKENS:
@@ -63,8 +73,7 @@ def fit_efficiency(model: ModelConfig, hardware: HardwareSpec, samples: Sequence
             for b in _FRACTIONS:
                 roof = (np.maximum(dense_c, dense_b / (bw * b))
                         + np.maximum(attn_c, attn_b / (bw * b)))
-                coef, *_ = np.linalg.lstsq(design, (wall - roof) * weight, rcond=None)
-                coef = np.maximum(coef, 0.0)
+                coef = _nnls2(design, (wall - roof) * weight)
                 pred = roof + coef[0] + coef[1] * seqs
                 err = float(np.sum(((pred - wall) * weight) ** 2))
                 if best is None or err < best[0]:
@@ -72,6 +81,20 @@ def fit_efficiency(model: ModelConfig, hardware: HardwareSpec, samples: Sequence
                                             half, source))
     assert best is not None
     return best[1]
+
+
+def _nnls2(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with two non-negative coefficients (the best of the four active sets)."""
+    best, best_err = np.zeros(2), float(np.sum(y**2))
+    for cols in ((0, 1), (0,), (1,)):
+        sub = a[:, cols]
+        c, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if np.all(c >= 0):
+            err = float(np.sum((sub @ c - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(2), err
+                best[list(cols)] = c
+    return best
 
 
 def prediction_error(cost: CostModel, samples: Sequence[StepSample]) -> float:

@@ -74,9 +74,10 @@ class Simulation:
     """One run of a cluster over a list of requests; `run()` returns a `SimResult`."""
 
     def __init__(self, cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
-                 record_steps: bool = False) -> None:
+                 record_steps: bool = False, dtype: str = "bfloat16", dtype_bytes: int = 2
+                 ) -> None:
         self.cluster = cluster
-        base = CostModel(model, hardware)
+        base = CostModel(model, hardware, dtype=dtype, dtype_bytes=dtype_bytes)
         self.colocated: list[Replica] = []
         self.prefill: list[Replica] = []
         self.decode: list[Replica] = []
@@ -174,6 +175,7 @@ class Simulation:
 
 
 def simulate(cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
-             requests: Sequence[SimRequest], record_steps: bool = False) -> SimResult:
+             requests: Sequence[SimRequest], record_steps: bool = False,
+             dtype: str = "bfloat16", dtype_bytes: int = 2) -> SimResult:
     """Run `requests` through `cluster` and return what happened."""
-    return Simulation(cluster, model, hardware, record_steps).run(requests)
+    return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes).run(requests)
