@@ -5,7 +5,9 @@ model, fp32, one torch thread; `disaggregated` runs the two worker processes) an
 every request's TTFT and TPOT as the client sees them. The cost model is then fitted to the
 steps those runs executed (in-run calibration: pooled over the workloads, one fit for the
 colocated engine, one for each disaggregated worker), and the simulator replays the same
-arrivals and lengths through the engine's own Scheduler with those step costs.
+arrivals and lengths through the engine's own Scheduler with those step costs, plus the
+front-end hop measured with idle one-token requests before the run (zero in-process; the
+control-plane round trip for the disaggregated pair).
 
     OMP_NUM_THREADS=1 python bench/sim_validate.py [--quick] [--out FILE] [--requests N]
 """
@@ -154,30 +156,46 @@ def p50(rows: list[dict[str, float]], key: str) -> float:
 
 
 def simulated(policy: str, cfg: ModelConfig, reqs: list[SimRequest],
-              effs: dict[str, Efficiency]) -> list[dict[str, float]]:
+              effs: dict[str, Efficiency], hop_s: float) -> list[dict[str, float]]:
     hw = calibrate(quick=True)
     if policy == "disaggregated":
         cluster = ClusterConfig(
             prefill=PoolConfig(1, 1, sched_config(policy, "prefill", cfg), effs["prefill"]),
             decode=PoolConfig(1, 1, sched_config(policy, "decode", cfg), effs["decode"]),
-            router="round_robin", link=LOOPBACK)
+            router="round_robin", link=LOOPBACK, dispatch_s=hop_s)
     else:
         cluster = ClusterConfig(colocated=PoolConfig(1, 1, sched_config(policy, None, cfg),
-                                                     effs["colocated"]), router="round_robin")
+                                                     effs["colocated"]), router="round_robin",
+                                dispatch_s=hop_s)
     res = simulate(cluster, cfg, hw, reqs, dtype="float32", dtype_bytes=4)
     return [{"ttft_s": r.ttft_s, "tpot_s": r.tpot_s if r.tpot_s is not None else float("nan")}
             for r in res.records]
 
 
+def measure_hop_s(llm: LLM, seen: list[tuple[SchedulerOutput, float]], vocab: int) -> float:
+    """Front-end latency: an idle one-chunk request's TTFT minus its prefill step's time."""
+    ttfts, walls = [], []
+    for k in range(5):
+        probe = [SimRequest(900 + k, 0.0, 8, 2)]
+        ttfts.append(drive(llm, probe, prompts_for(probe, vocab))[0]["ttft_s"])
+        if seen:
+            walls.append(next(w for o, w in reversed(seen) if o.prefill))
+        else:
+            walls.append(next(s.wall_s for s in reversed(llm.engine.steps)
+                              if getattr(s, "role", "") == "prefill"))
+    return max(0.0, statistics.median(ttfts) - statistics.median(walls))
+
+
 def run_policy(policy: str, streams: dict[str, list[SimRequest]]
-               ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[StepSample]]]:
-    """Every workload through one engine of `policy`; client rows and step samples."""
+               ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[StepSample]], float]:
+    """Every workload through one engine of `policy`: client rows, step samples, hop."""
     llm = LLM("small", device="cpu", **engine_kwargs(policy))
     cfg = ModelConfig.from_name("small") if llm.model is None else llm.model.cfg
     try:
         seen = [] if policy == "disaggregated" else record_schedules(llm)
         warm = parse_workload("poisson:50,prompt=fixed:64,output=fixed:4").generate(4, 9)
         drive(llm, warm, prompts_for(warm, cfg.vocab_size))  # first-call costs stay out
+        hop_s = measure_hop_s(llm, seen, cfg.vocab_size)
         seen.clear()
         del llm.engine.steps[:]
         rows = {}
@@ -192,7 +210,7 @@ def run_policy(policy: str, streams: dict[str, list[SimRequest]]
             samples = {"colocated": samples_colocated(seen)}
     finally:
         llm.close()
-    return rows, samples
+    return rows, samples, hop_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     table, fits = [], {}
     hw = calibrate(quick=True)
     for policy in policies:
-        rows, samples = run_policy(policy, streams)
+        rows, samples, hop_s = run_policy(policy, streams)
         effs = {k: fit_efficiency(cfg, hw, v, source=f"fit to {len(v)} {k} steps")
                 for k, v in samples.items()}
-        fits[policy] = {k: e.to_dict() for k, e in effs.items()}
+        fits[policy] = {**{k: e.to_dict() for k, e in effs.items()}, "hop_s": hop_s}
         for name, reqs in streams.items():
-            sim = simulated(policy, cfg, reqs, effs)
+            sim = simulated(policy, cfg, reqs, effs, hop_s)
             row = {"workload": name, "policy": policy, "requests": len(reqs)}
             for key in ("ttft_s", "tpot_s"):
                 real, pred = p50(rows[name], key), p50(sim, key)

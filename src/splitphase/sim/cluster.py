@@ -45,8 +45,11 @@ class ClusterConfig:
     decode: PoolConfig | None = None
     router: str = "least_loaded"
     link: LinkSpec = field(default_factory=lambda: get_link("nvlink"))
+    dispatch_s: float = 0.0  # front-end hop: arrival to the request queued at its replica
 
     def __post_init__(self) -> None:
+        if not self.dispatch_s >= 0:
+            raise UserError(f"dispatch_s must be >= 0 seconds, got {self.dispatch_s}")
         if (self.colocated is None) == (self.prefill is None or self.decode is None):
             raise UserError("a cluster is either colocated or has both a prefill and a decode pool")
         if self.router not in ROUTERS:

@@ -130,8 +130,9 @@ def candidate_units(inp: PlanInputs, longest_request: int) -> list[ClusterConfig
         except CostModelError:
             return None
 
-    def add(**pools: PoolConfig) -> None:
-        units.append(ClusterConfig(router=inp.router, link=inp.link, **pools))
+    def add(colocated: PoolConfig | None = None, prefill: PoolConfig | None = None,
+            decode: PoolConfig | None = None) -> None:
+        units.append(ClusterConfig(colocated, prefill, decode, inp.router, inp.link))
 
     for tp in (t for t in sp.tps if t <= cap):
         c = cost(tp)

@@ -18,7 +18,7 @@ from splitphase.sim.cluster import ClusterConfig, PoolConfig
 from splitphase.sim.planner import Candidate, PlanInputs
 
 TABLE_HEADER = ("configuration", "GPUs / unit", "goodput / GPU (req/s)", "GPUs at rate",
-                "TTFT p90", "TPOT p90", "$ / M in", "$ / M out")
+                "measured at (req/s)", "TTFT p90", "TPOT p90", "$ / M in", "$ / M out")
 
 
 def _pool(p: PoolConfig | None) -> dict[str, Any] | None:
@@ -136,16 +136,19 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
     }
 
 
-def _row(c: dict[str, Any]) -> list[str]:
+def _row(c: dict[str, Any], rate: float) -> list[str]:
     def ms(m: dict[str, Any] | None, k: str) -> str:
         return "" if not m else f"{m[k]['p90_s'] * 1e3:.0f} ms"
 
     def usd(m: dict[str, Any] | None, k: str) -> str:
         return "" if not m or m.get(k) is None else f"${m[k]:.3g}"
 
+    # Latency and cost at the target rate when the configuration was sized for it, else at
+    # its own goodput (one unit, fully loaded).
     m = c["at_rate"] or c["at_goodput"]
+    at = rate if c["at_rate"] else c["goodput_rate_per_s"]
     return [c["label"], str(c["unit_gpus"]), f"{c['goodput_per_gpu']:.3g}",
-            str(c["gpus_at_rate"] or ""), ms(m, "ttft"), ms(m, "tpot"),
+            str(c["gpus_at_rate"] or ""), f"{at:.3g}" if m else "", ms(m, "ttft"), ms(m, "tpot"),
             usd(m, "usd_per_million_input_tokens"), usd(m, "usd_per_million_output_tokens")]
 
 
@@ -185,7 +188,8 @@ def plots(doc: dict[str, Any], cands: list[Candidate]) -> dict[str, str]:
 def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:
     """Write plan.json, plan.html and plan.md into `out_dir`."""
     out = Path(out_dir)
-    rows = [_row(c) for c in sorted(doc["candidates"], key=lambda c: -c["goodput_per_gpu"])]
+    rows = [_row(c, doc["rate_per_s"])
+            for c in sorted(doc["candidates"], key=lambda c: -c["goodput_per_gpu"])]
     figs = plots(doc, cands)
     summary = "".join(f"<li>{escape(s)}</li>" for s in doc["summary"])
     imgs = "".join(f'<figure><img alt="{k}" src="data:image/png;base64,{v}"></figure>'

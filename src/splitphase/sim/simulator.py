@@ -5,7 +5,8 @@ Events: a request arrives (routed to a colocated or prefill replica), a replica'
 requests go back to a prefill replica), a KV transfer ends (the prefill replica frees the
 blocks, the decode replica takes the request). After every event the replicas it touched start
 their next step if they are idle and have work: continuous batching, one step in flight each.
-Each prefill replica sends one KV transfer at a time over its link (the transfer queue).
+Each prefill replica sends one KV transfer at a time over its link (the transfer queue). An
+optional dispatch delay models a front end's hop between a request's arrival and its replica.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from splitphase.sim.cost_model import CostModel
 from splitphase.sim.replica import make_request
 from splitphase.sim.workload import SimRequest
 
-_STEP, _XFER = 0, 1
+_STEP, _XFER, _ADD = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -105,15 +106,18 @@ class Simulation:
                 now, _, kind, payload = heapq.heappop(heap)
                 if kind == _STEP:
                     self._on_step(payload, now)  # type: ignore[arg-type]
-                else:
+                elif kind == _XFER:
                     self._on_transfer(payload, now)  # type: ignore[arg-type]
+                else:
+                    self._admit(payload, now)  # type: ignore[arg-type]
             else:
                 sim = reqs[i]
                 i += 1
                 now = sim.arrival_s
-                replica = self.front.pick()
-                replica.add(make_request(sim))
-                self._kick(replica, now)
+                if self.cluster.dispatch_s > 0:
+                    self._push(now + self.cluster.dispatch_s, _ADD, sim)
+                else:
+                    self._admit(sim, now)
         replicas = self.colocated + self.prefill + self.decode
         result = SimResult(self._records, replicas, now, self.cluster.num_gpus, self._xfer_s,
                            events)
@@ -128,6 +132,11 @@ class Simulation:
                 result.prefill_gpu_s += tp * now * share
                 result.decode_gpu_s += tp * now * (1 - share)
         return result
+
+    def _admit(self, sim: SimRequest, now_s: float) -> None:
+        replica = self.front.pick()
+        replica.add(make_request(sim))
+        self._kick(replica, now_s)
 
     def _push(self, time_s: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (time_s, next(self._seq), kind, payload))
