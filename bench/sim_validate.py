@@ -6,8 +6,8 @@ every request's TTFT and TPOT as the client sees them. The cost model is then fi
 steps those runs executed (in-run calibration: pooled over the workloads, one fit for the
 colocated engine, one for each disaggregated worker), and the simulator replays the same
 arrivals and lengths through the engine's own Scheduler with those step costs, plus the
-front-end hop measured with idle one-token requests before the run (zero in-process; the
-control-plane round trip for the disaggregated pair).
+front-end hop and (disaggregated) the hand-off latency, both measured with idle two-token
+requests before the run.
 
     OMP_NUM_THREADS=1 python bench/sim_validate.py [--quick] [--out FILE] [--requests N]
 """
@@ -46,8 +46,8 @@ WORKLOADS = {
 POLICIES = ("mixed", "chunked", "disaggregated")
 BLOCKS, BLOCK_SIZE, SEQS = 512, 16, 16
 BUDGET = {"mixed": 1024, "chunked": 256, "disaggregated": 256}
-# Assumed, not measured: K/V between the two local worker processes goes through gloo over
-# TCP loopback; about 1 GB/s with 1 ms per message is what such a path gives on small VMs.
+# K/V between the two local worker processes goes through gloo over TCP loopback: bandwidth
+# assumed (1 GB/s); the per-hand-off latency is the one measured by the idle probes.
 LOOPBACK = LinkSpec("loopback", 1e9, 1e-3, "assumed: gloo over TCP loopback")
 
 
@@ -90,6 +90,7 @@ def drive(llm: LLM, reqs: list[SimRequest], prompts: list[list[int]]) -> list[di
     """Open-loop replay: add each request at its arrival time; client-side token times."""
     engine: Any = llm.engine
     first: dict[str, float] = {}
+    second: dict[str, float] = {}
     last: dict[str, tuple[float, int]] = {}
     arrival: dict[str, float] = {}
     t0, i = time.perf_counter(), 0
@@ -108,12 +109,15 @@ def drive(llm: LLM, reqs: list[SimRequest], prompts: list[list[int]]) -> list[di
             t = time.perf_counter()
             if out.token_ids:
                 first.setdefault(out.request_id, t)
+                if len(out.token_ids) >= 2:
+                    second.setdefault(out.request_id, t)
                 last[out.request_id] = (t, len(out.token_ids))
     rows = []
     for rid, t_first in first.items():
         t_last, n = last[rid]
         rows.append({"ttft_s": t_first - arrival[rid],
-                     "tpot_s": (t_last - t_first) / (n - 1) if n > 1 else float("nan")})
+                     "tpot_s": (t_last - t_first) / (n - 1) if n > 1 else float("nan"),
+                     "second_gap_s": second.get(rid, float("nan")) - t_first})
     return rows
 
 
@@ -124,17 +128,22 @@ def samples_colocated(seen: list[tuple[SchedulerOutput, float]]) -> list[StepSam
 
 def samples_worker(cfg: ModelConfig, steps: list[Any], role: str, dtype_bytes: int
                    ) -> list[StepSample]:
-    """Worker steps carry counts, FLOPs and bytes only: rebuild chunks and mean contexts."""
+    """Worker steps carry counts, FLOPs and bytes only: rebuild one chunk per step (its cached
+    prefix from the KV bytes read) and the decodes' mean context."""
     out = []
     for s in steps:
         if getattr(s, "role", None) != role or s.wall_s <= 0:
             continue
-        chunks = ((s.num_prefill_tokens, 0),) if s.num_prefill_tokens else ()
+        kv_tok = 2 * cfg.n_layers * cfg.kv_dim * dtype_bytes
+        chunks: tuple[tuple[int, int], ...] = ()
+        if s.num_prefill_tokens:  # cached tokens the chunk attends over, from its KV bytes
+            n = s.num_prefill_tokens
+            base = step_cost(cfg, [(n, 0)], [], dtype_bytes).bytes
+            chunks = ((n, max(0, round((s.bytes - base) / kv_tok))),)
         ctx: tuple[int, ...] = ()
         if s.num_decode_seqs:
             n = s.num_decode_seqs
             base = step_cost(cfg, [], [0] * n, dtype_bytes).bytes
-            kv_tok = 2 * cfg.n_layers * cfg.kv_dim * dtype_bytes
             ctx = (max(0, round((s.bytes - base) / (kv_tok * n))),) * n
         out.append(StepSample(chunks, ctx, s.wall_s))
     return out
@@ -156,46 +165,57 @@ def p50(rows: list[dict[str, float]], key: str) -> float:
 
 
 def simulated(policy: str, cfg: ModelConfig, reqs: list[SimRequest],
-              effs: dict[str, Efficiency], hop_s: float) -> list[dict[str, float]]:
+              effs: dict[str, Efficiency], hops: tuple[float, float]
+              ) -> list[dict[str, float]]:
     hw = calibrate(quick=True)
     if policy == "disaggregated":
         cluster = ClusterConfig(
             prefill=PoolConfig(1, 1, sched_config(policy, "prefill", cfg), effs["prefill"]),
             decode=PoolConfig(1, 1, sched_config(policy, "decode", cfg), effs["decode"]),
-            router="round_robin", link=LOOPBACK, dispatch_s=hop_s)
+            router="round_robin", dispatch_s=hops[0],
+            link=replace(LOOPBACK, latency_s=max(LOOPBACK.latency_s, hops[1])))
     else:
         cluster = ClusterConfig(colocated=PoolConfig(1, 1, sched_config(policy, None, cfg),
                                                      effs["colocated"]), router="round_robin",
-                                dispatch_s=hop_s)
+                                dispatch_s=hops[0])
     res = simulate(cluster, cfg, hw, reqs, dtype="float32", dtype_bytes=4)
     return [{"ttft_s": r.ttft_s, "tpot_s": r.tpot_s if r.tpot_s is not None else float("nan")}
             for r in res.records]
 
 
-def measure_hop_s(llm: LLM, seen: list[tuple[SchedulerOutput, float]], vocab: int) -> float:
-    """Front-end latency: an idle one-chunk request's TTFT minus its prefill step's time."""
-    ttfts, walls = [], []
+def measure_hop_s(llm: LLM, seen: list[tuple[SchedulerOutput, float]], vocab: int
+                  ) -> tuple[float, float]:
+    """Idle probes (8-token prompt, 2 tokens out), measured before the run: the front-end hop
+    (TTFT minus the prefill step) and, for a disaggregated pair, the hand-off (first to
+    second token minus the decode step: KV export, send, receive, adoption)."""
+    ttfts, gaps, pre, dec = [], [], [], []
     for k in range(5):
         probe = [SimRequest(900 + k, 0.0, 8, 2)]
-        ttfts.append(drive(llm, probe, prompts_for(probe, vocab))[0]["ttft_s"])
+        row = drive(llm, probe, prompts_for(probe, vocab))[0]
+        ttfts.append(row["ttft_s"])
+        gaps.append(row["second_gap_s"])
         if seen:
-            walls.append(next(w for o, w in reversed(seen) if o.prefill))
+            pre.append(next(w for o, w in reversed(seen) if o.prefill))
         else:
-            walls.append(next(s.wall_s for s in reversed(llm.engine.steps)
-                              if getattr(s, "role", "") == "prefill"))
-    return max(0.0, statistics.median(ttfts) - statistics.median(walls))
+            steps = llm.engine.steps
+            pre.append(next(s.wall_s for s in reversed(steps) if s.role == "prefill"))
+            dec.append(next(s.wall_s for s in reversed(steps) if s.role == "decode"))
+    hop = max(0.0, statistics.median(ttfts) - statistics.median(pre))
+    handoff = max(0.0, statistics.median(gaps) - statistics.median(dec)) if dec else 0.0
+    return hop, handoff
 
 
 def run_policy(policy: str, streams: dict[str, list[SimRequest]]
-               ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[StepSample]], float]:
-    """Every workload through one engine of `policy`: client rows, step samples, hop."""
+               ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[StepSample]],
+                          tuple[float, float]]:
+    """Every workload through one engine of `policy`: client rows, step samples, hops."""
     llm = LLM("small", device="cpu", **engine_kwargs(policy))
     cfg = ModelConfig.from_name("small") if llm.model is None else llm.model.cfg
     try:
         seen = [] if policy == "disaggregated" else record_schedules(llm)
         warm = parse_workload("poisson:50,prompt=fixed:64,output=fixed:4").generate(4, 9)
         drive(llm, warm, prompts_for(warm, cfg.vocab_size))  # first-call costs stay out
-        hop_s = measure_hop_s(llm, seen, cfg.vocab_size)
+        hop_s, handoff_s = measure_hop_s(llm, seen, cfg.vocab_size)
         seen.clear()
         del llm.engine.steps[:]
         rows = {}
@@ -210,7 +230,7 @@ def run_policy(policy: str, streams: dict[str, list[SimRequest]]
             samples = {"colocated": samples_colocated(seen)}
     finally:
         llm.close()
-    return rows, samples, hop_s
+    return rows, samples, (hop_s, handoff_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,12 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     table, fits = [], {}
     hw = calibrate(quick=True)
     for policy in policies:
-        rows, samples, hop_s = run_policy(policy, streams)
+        rows, samples, hops = run_policy(policy, streams)
         effs = {k: fit_efficiency(cfg, hw, v, source=f"fit to {len(v)} {k} steps")
                 for k, v in samples.items()}
-        fits[policy] = {**{k: e.to_dict() for k, e in effs.items()}, "hop_s": hop_s}
+        fits[policy] = {**{k: e.to_dict() for k, e in effs.items()}, "hop_s": hops[0],
+                        "handoff_s": hops[1]}
         for name, reqs in streams.items():
-            sim = simulated(policy, cfg, reqs, effs, hop_s)
+            sim = simulated(policy, cfg, reqs, effs, hops)
             row = {"workload": name, "policy": policy, "requests": len(reqs)}
             for key in ("ttft_s", "tpot_s"):
                 real, pred = p50(rows[name], key), p50(sim, key)

@@ -2,8 +2,9 @@
 
 Each sample is one step as scheduled (prefill chunks and decode context lengths) with its
 measured wall time. The FLOP/byte parts of every step are computed once; a grid over the FLOP
-fraction, the bandwidth fraction and the GEMM half-efficiency size is then searched, with the
-two host overheads (per step, per sequence) solved by least squares at each grid point.
+fraction, the weights' and the KV cache's bandwidth fractions and the GEMM half-efficiency
+size is then searched, with the two host overheads (per step, per sequence) solved by
+non-negative least squares at each grid point.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
 from splitphase.sim.cost_model import CostModel, Efficiency
 
-_FRACTIONS = np.geomspace(1e-3, 1.5, 48)
+_FRACTIONS = np.geomspace(1e-3, 1.5, 40)
 _HALF_TOKENS = (0.0, 16.0, 64.0, 256.0)
 
 
@@ -52,49 +53,57 @@ def fit_efficiency(model: ModelConfig, hardware: HardwareSpec, samples: Sequence
     p = _parts(model, samples, dtype_bytes)
     dense_f, dense_b, attn_f, attn_b, tokens, seqs, wall = p.T
     peak, bw = hardware.peak_flops_per_s(dtype), hardware.mem_bandwidth_bytes_per_s
-    # Steps that carry prompt tokens and decode-only steps weigh the same in total: TTFT rests
-    # on the first kind, TPOT mostly on the second.
-    has_prefill = np.array([bool(s.chunks) for s in samples])
-    n_pre = max(int(has_prefill.sum()), 1)
-    n_dec = max(int((~has_prefill).sum()), 1)
-    # Absolute error within each kind (scaled by its mean step), so the fit follows mean step
-    # times: latencies add steps up, and a busy machine's slow outliers belong in the mean.
-    pre_mean = float(wall[has_prefill].mean()) if has_prefill.any() else 1.0
-    dec_mean = float(wall[~has_prefill].mean()) if (~has_prefill).any() else 1.0
-    weight = np.where(has_prefill, 1.0 / (np.sqrt(n_pre) * pre_mean),
-                      1.0 / (np.sqrt(n_dec) * dec_mean))
+    weight = _weights(samples, wall)
     design = np.stack([np.ones_like(wall), seqs], axis=1) * weight[:, None]
+    fr = _FRACTIONS[:, None]
+    dense_mem = dense_b[None, :] / (bw * fr)  # (F, N) over the weights' bandwidth fraction
+    kv_mem = attn_b[None, :] / (bw * fr)  # (F, N) over the KV bandwidth fraction
     best: tuple[float, Efficiency] | None = None
     for half in _HALF_TOKENS:
         gemm = tokens / (tokens + half)
         for f in _FRACTIONS:
-            dense_c = dense_f / (peak * f * gemm)
-            attn_c = attn_f / (peak * f)
-            for b in _FRACTIONS:
-                roof = (np.maximum(dense_c, dense_b / (bw * b))
-                        + np.maximum(attn_c, attn_b / (bw * b)))
-                coef = _nnls2(design, (wall - roof) * weight)
-                pred = roof + coef[0] + coef[1] * seqs
-                err = float(np.sum(((pred - wall) * weight) ** 2))
-                if best is None or err < best[0]:
-                    best = (err, Efficiency(float(f), float(b), float(coef[0]), float(coef[1]),
-                                            half, source))
+            dense = np.maximum(dense_f / (peak * f * gemm), dense_mem)  # (B, N)
+            attn = np.maximum(attn_f / (peak * f), kv_mem)  # (K, N)
+            roof = dense[:, None, :] + attn[None, :, :]  # (B, K, N)
+            y = (wall - roof).reshape(-1, len(wall)) * weight
+            coef, err = _nnls2_batch(design, y)
+            i = int(np.argmin(err))
+            if best is None or err[i] < best[0]:
+                b, k = divmod(i, len(_FRACTIONS))
+                best = (float(err[i]), Efficiency(
+                    float(f), float(_FRACTIONS[b]), float(coef[i, 0]), float(coef[i, 1]),
+                    half, float(_FRACTIONS[k]), source))
     assert best is not None
     return best[1]
 
 
-def _nnls2(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with two non-negative coefficients (the best of the four active sets)."""
-    best, best_err = np.zeros(2), float(np.sum(y**2))
-    for cols in ((0, 1), (0,), (1,)):
-        sub = a[:, cols]
-        c, *_ = np.linalg.lstsq(sub, y, rcond=None)
-        if np.all(c >= 0):
-            err = float(np.sum((sub @ c - y) ** 2))
-            if err < best_err:
-                best, best_err = np.zeros(2), err
-                best[list(cols)] = c
-    return best
+def _weights(samples: Sequence[StepSample], wall: np.ndarray) -> np.ndarray:
+    """Steps that carry prompt tokens and decode-only steps weigh the same in total (TTFT rests
+    on the first kind, TPOT mostly on the second); absolute error within each kind, scaled by
+    its mean step, so the fit follows mean step times (latencies add steps up, and a busy
+    machine's slow outliers belong in the mean)."""
+    has_prefill = np.array([bool(s.chunks) for s in samples])
+    out = np.zeros_like(wall)
+    for mask in (has_prefill, ~has_prefill):
+        if mask.any():
+            out[mask] = 1.0 / (np.sqrt(mask.sum()) * wall[mask].mean())
+    return out
+
+
+def _nnls2_batch(a: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `ys` (G, N): the two non-negative coefficients of `a` (N, 2) with least
+    squared error, and that error (the best of the four active sets)."""
+    g = ys.shape[0]
+    coefs = [np.zeros((g, 2))]
+    full = ys @ a @ np.linalg.pinv(a.T @ a)  # (G, 2) normal equations, a.T @ a symmetric
+    coefs.append(np.where((full >= 0).all(axis=1, keepdims=True), full, 0.0))
+    for col in (0, 1):
+        c = np.zeros((g, 2))
+        c[:, col] = np.maximum(ys @ a[:, col] / (a[:, col] @ a[:, col]), 0.0)
+        coefs.append(c)
+    errs = np.stack([np.sum((c @ a.T - ys) ** 2, axis=1) for c in coefs])  # (4, G)
+    pick = np.argmin(errs, axis=0)
+    return np.stack(coefs)[pick, np.arange(g)], errs[pick, np.arange(g)]
 
 
 def prediction_error(cost: CostModel, samples: Sequence[StepSample]) -> float:

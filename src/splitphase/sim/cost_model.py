@@ -56,11 +56,15 @@ class Efficiency:
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     per_seq_overhead_s: float = 0.0
     gemm_half_tokens: float = DEFAULT_GEMM_HALF_TOKENS  # 0: every GEMM at flops_fraction
+    # KV-cache reads in attention (paged gathers) may stream slower than weights; None: same.
+    kv_bandwidth_fraction: float | None = None
     source: str = "typical values (splitphase.sim.cost_model defaults)"
 
     def __post_init__(self) -> None:
-        for name in ("flops_fraction", "bandwidth_fraction"):
+        for name in ("flops_fraction", "bandwidth_fraction", "kv_bandwidth_fraction"):
             v = getattr(self, name)
+            if v is None:
+                continue
             if not (math.isfinite(v) and 0 < v <= 1.5):
                 raise CostModelError(f"{name} must be in (0, 1.5], got {v}")
         if self.step_overhead_s < 0 or self.per_seq_overhead_s < 0:
@@ -94,6 +98,7 @@ class Efficiency:
             "step_overhead_s": self.step_overhead_s,
             "per_seq_overhead_s": self.per_seq_overhead_s,
             "gemm_half_tokens": self.gemm_half_tokens,
+            "kv_bandwidth_fraction": self.kv_bandwidth_fraction,
             "source": self.source,
         }
 
@@ -170,7 +175,9 @@ class CostModel:
         rows = cost.num_prefill_tokens + cost.num_decode_tokens
         gemm_rate = flops_rate * rows / (rows + eff.gemm_half_tokens) if rows else flops_rate
         dense_s = max((cost.flops - attn.flops) / gemm_rate, (cost.bytes - attn.bytes) / bytes_rate)
-        roof_s = dense_s + max(attn.flops / flops_rate, attn.bytes / bytes_rate)
+        kv_frac = eff.kv_bandwidth_fraction or eff.bandwidth_fraction
+        kv_rate = tp * hw.mem_bandwidth_bytes_per_s * kv_frac
+        roof_s = dense_s + max(attn.flops / flops_rate, attn.bytes / kv_rate)
         seqs = len(chunks) + len(decode_context_lens)
         total = eff.step_overhead_s + eff.per_seq_overhead_s * seqs + roof_s
         total += self.allreduce_s(cost.num_prefill_tokens + cost.num_decode_tokens)
