@@ -104,3 +104,34 @@ def test_prompt_ids_share_trace_prefix_blocks() -> None:
     assert len(ia) == 600 and len(ib) == 700 and len(ic) == 600
     assert ia[:512] == ib[:512] and ia[512:] != ib[512:600]
     assert not set(ic) & set(ia)
+
+
+def test_prefill_replica_reproduces_the_prefill_worker_schedule(tiny_model, tokenizer) -> None:
+    engine = LLMEngine(tiny_model, tokenizer, EngineConfig(
+        policy="disaggregated", role="prefill", max_num_seqs=4, max_num_batched_tokens=40,
+        block_size=16, num_blocks=40))
+    seen = _engine_steps(engine)
+    prompts = _prompts(8, tiny_model.cfg.vocab_size)
+    for i, ids in enumerate(prompts):
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.add_request(ids, sp, request_id=f"r{i}", arrival_s=0.0)
+    handed = []
+    while engine.scheduler.has_unfinished_requests():
+        engine.step()
+        handed += [h.request.request_id for h in engine.pop_handoffs()]  # as the worker loop
+    real = [(StepSummary.of(o, 0.0).chunks, o.num_decode_seqs) for o in seen]
+
+    replica = Replica("p0", engine.scheduler.config,
+                      CostModel(tiny_model.cfg, get_hardware("h100")), record_steps=True)
+    for i, ids in enumerate(prompts):
+        replica.add(Request(f"r{i}", ids, SamplingParams(max_tokens=8, ignore_eos=True), 0.0))
+    now, sim_handed = 0.0, []
+    while (end := replica.start_step(now)) is not None:
+        _, handoffs = replica.finish_step(end)
+        for h in handoffs:  # released at once, as LLMEngine.pop_handoffs does after export
+            replica.scheduler.release_handoff(h.request.request_id)
+            sim_handed.append(h.request.request_id)
+        now = end
+    assert replica.steps is not None
+    assert [(s.chunks, len(s.decodes)) for s in replica.steps] == real and len(real) > 4
+    assert sim_handed == handed and len(handed) == 8
