@@ -191,6 +191,9 @@ def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate])
     rows = [_row(c, doc["rate_per_s"])
             for c in sorted(doc["candidates"], key=lambda c: -c["goodput_per_gpu"])]
     figs = plots(doc, cands)
+    front_header = ("GPUs per unit", "best configuration", "goodput / GPU (req/s)")
+    front = [[str(f["unit_gpus"]), f["label"], f"{f['goodput_per_gpu']:.3g}"]
+             for f in doc["frontier"]]
     summary = "".join(f"<li>{escape(s)}</li>" for s in doc["summary"])
     imgs = "".join(f'<figure><img alt="{k}" src="data:image/png;base64,{v}"></figure>'
                    for k, v in figs.items())
@@ -202,10 +205,13 @@ def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate])
         f'workload {escape(str(wl["name"]))} at {doc["rate_per_s"]:g} req/s; SLOs TTFT '
         f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s</div></header>'
         f'<div class="summary"><ul>{summary}</ul></div><section>{imgs}'
-        f'{table_html(TABLE_HEADER, rows)}</section></main></body></html>'
+        f'<h2>Goodput frontier</h2>{table_html(front_header, front)}'
+        f'<h2>Every configuration</h2>{table_html(TABLE_HEADER, rows)}</section></main>'
+        '</body></html>'
     )
-    md = ("# splitphase plan\n\n" + "".join(f"- {s}\n" for s in doc["summary"]) + "\n"
-          + table_md(TABLE_HEADER, rows))
+    md = ("# splitphase plan\n\n" + "".join(f"- {s}\n" for s in doc["summary"])
+          + "\n## Goodput frontier\n\n" + table_md(front_header, front)
+          + "\n## Every configuration\n\n" + table_md(TABLE_HEADER, rows))
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
