@@ -9,11 +9,12 @@ import pytest
 
 from splitphase.cli import main
 
-BASE = ["plan", "--model-config", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-progress"]
+BASE = ["plan", "--no-progress"]
 
 
 def _args(tmp_path: Path, **over: str) -> list[str]:
-    opts = {"--workload": "poisson:1,prompt=lognormal:300:0.3,output=fixed:16",
+    opts = {"--model-config": "llama-3.1-8b", "--hardware": "h100-sxm",
+            "--workload": "poisson:1,prompt=lognormal:300:0.3,output=fixed:16",
             "--rate": "30", "--slo-ttft-s": "0.5", "--slo-tpot-s": "0.05",
             "--out": str(tmp_path / "plan"), "--num-requests": "30"}
     opts.update(over)
@@ -21,7 +22,7 @@ def _args(tmp_path: Path, **over: str) -> list[str]:
 
 
 def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(_args(tmp_path) + ["--quick", "--max-gpus", "4"]) == 0
+    assert main(_args(tmp_path, **{"--max-gpus": "4"}) + ["--quick"]) == 0
     doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert doc["best"]["gpus_at_rate"] <= 4 and doc["best"]["at_rate"]["meets_slo"]
     assert len(doc["candidates"]) >= 5
@@ -39,6 +40,7 @@ def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ({"--slo-tpot-s": "0"}, "--slo-tpot-s"),
     ({"--workload": "nosuchpreset"}, "unknown workload"),
     ({"--workload": "trace:EMPTY"}, "no requests"),
+    ({"--model-config": "llama-3.1-70b", "--hardware": "l4", "--max-gpus": "1"}, "fits no"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                           over: dict[str, str], message: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splitphase.engine.scheduler import SchedulerConfig
+from splitphase.errors import UserError
 from splitphase.hardware.specs import HardwareSpec, LinkSpec, get_link
 from splitphase.model.config import ModelConfig
 from splitphase.sim.cluster import ClusterConfig, PoolConfig
@@ -246,6 +247,13 @@ def run_plan(inp: PlanInputs, progress: Callable[[Iterable[Any]], Iterable[Any]]
     longest = max(r.prompt_len + r.output_len for r in probe)
     inp = replace(inp, length_cap=longest)
     units = candidate_units(inp, longest)
+    if not units:
+        cap = min(inp.max_gpus, inp.space.max_unit_gpus)
+        raise UserError(
+            f"{inp.model.name} fits no configuration of up to {cap} x {inp.hardware.name}"
+            f" (weights plus a KV cache, tensor parallelism"
+            f" {', '.join(map(str, inp.space.tps))}); raise --max-gpus or pick larger hardware"
+        )
     wrap = progress or (lambda it: it)
     cands = [search_goodput(inp, u) for u in wrap(units)]
 
