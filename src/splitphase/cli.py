@@ -172,6 +172,51 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     cmp.set_defaults(func=_compare)
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from splitphase.commands.plan import PlanOptions, plan
+
+    plan(PlanOptions(
+        model_config=args.model_config, hardware=args.hardware, workload=args.workload,
+        rate=args.rate, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, out=args.out,
+        max_gpus=args.max_gpus, attainment=args.attainment, num_requests=args.num_requests,
+        price_per_hour=args.price_per_hour, calibration=args.calibration, link=args.link,
+        router=args.router, quick=args.quick, seed=args.seed, progress=not args.no_progress,
+    ))
+
+
+_WORKLOAD_HELP = (
+    "a preset (chat, rag, code, summarization); poisson:RATE or gamma:RATE:CV (bursty), each "
+    "with options ,prompt=DIST ,output=DIST ,lengths=trace:PATH where DIST is fixed:N, "
+    "uniform:LO:HI, lognormal:MEDIAN:SIGMA or trace:PATH; or trace:PATH, a JSONL trace "
+    "(Mooncake: timestamp ms, input_length, output_length, hash_ids) replayed with its "
+    "arrival pattern. --rate sets the mean rate of all of them"
+)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser("plan", help="size prefill and decode pools by simulation (goodput, cost)")
+    pl.add_argument("--model-config", required=True, help="preset name or config.json")
+    pl.add_argument("--hardware", required=True, help="hardware table name (e.g. h100-sxm)")
+    pl.add_argument("--workload", required=True, help=_WORKLOAD_HELP)
+    pl.add_argument("--rate", type=float, required=True, help="requests per second to serve")
+    pl.add_argument("--slo-ttft-s", type=float, required=True, help="time-to-first-token SLO")
+    pl.add_argument("--slo-tpot-s", type=float, required=True, help="time-per-output-token SLO")
+    pl.add_argument("--attainment", type=float, default=0.9,
+                    help="fraction of requests that must meet both SLOs (default 0.9)")
+    pl.add_argument("--max-gpus", type=int, default=64)
+    pl.add_argument("--out", required=True, help="report directory (plan.html/.json/.md)")
+    pl.add_argument("--num-requests", type=int, default=200, help="requests per simulation")
+    pl.add_argument("--price-per-hour", type=float, help="$/GPU-hour (default: the table's)")
+    pl.add_argument("--calibration", help="an audit's report.json: measured efficiency")
+    pl.add_argument("--link", default="nvlink", help="KV transfer link: nvlink, infiniband, "
+                    "ethernet")
+    pl.add_argument("--router", default="least_loaded", choices=["least_loaded", "round_robin"])
+    pl.add_argument("--quick", action="store_true", help="a smaller search space")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--no-progress", action="store_true")
+    pl.set_defaults(func=_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used by the docs and the tests)."""
     parser = argparse.ArgumentParser(prog="splitphase", description=__doc__)
@@ -181,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="audit the embedded model on this CPU; report in ./splitphase-report"
     ).set_defaults(func=_demo)
     _add_audit(sub)
+    _add_plan(sub)
 
     gen = sub.add_parser("generate", help="generate text and print per-phase timing")
     gen.add_argument("--model", default="small", help="embedded model name or checkpoint dir")

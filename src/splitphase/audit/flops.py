@@ -359,3 +359,25 @@ def step_cost(
         num_prefill_tokens=pre.pri_rows,
         num_decode_tokens=dec.pri_rows,
     )
+
+
+def attention_cost(
+    cfg: ModelConfig,
+    prefill_chunks: Sequence[tuple[int, int]],
+    decode_context_lens: Sequence[int],
+    dtype_bytes: int = 2,
+    *,
+    kv_dtype_bytes: int | None = None,
+) -> PhaseCost:
+    """The attention part of `step_cost`: QK^T and AV FLOPs and the KV cache bytes (read and
+    written). The rest of the step (projections, MLP, LM head, weights) runs as separate kernels,
+    so a simulator can roofline the two parts one after the other.
+    """
+    _check_bytes(dtype_bytes, kv_dtype_bytes)
+    work = _decode_work(cfg, decode_context_lens)
+    for new, before in prefill_chunks:
+        work = work + _chunk_work(cfg, new, before, min(1, new), True)
+    flops = cfg.n_layers * 4 * cfg.q_dim * (work.pri_pairs + work.aux_pairs)
+    kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    kv = kv_bytes_per_token(cfg, kv_b) * (work.kv_read + work.pri_rows) if work.pri_rows else 0
+    return PhaseCost(float(flops), float(kv))

@@ -90,7 +90,11 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise RequestError(f"request {self.request_id!r}: the prompt must have >= 1 token")
-        bad = [t for t in self.prompt_token_ids if not _is_token_id(t)]
+        ids = self.prompt_token_ids
+        # Fast path (C-level map/min; the simulator builds millions of these); the slow path
+        # names the offending ids and accepts int subclasses other than bool, as before.
+        fast_ok = set(map(type, ids)) == {int} and min(ids) >= 0
+        bad = [] if fast_ok else [t for t in ids if not _is_token_id(t)]
         if bad:
             raise RequestError(
                 f"request {self.request_id!r}: prompt token ids must be integers >= 0, "

@@ -201,3 +201,41 @@ def get_hardware(name: str) -> HardwareSpec:
             f"unknown hardware {name!r}; choose one of: {', '.join(list_hardware())}"
         )
     return HARDWARE[key]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link that carries KV caches between machines (or all-reduces within one): bandwidth
+    per direction and per-message latency, SI units."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0 or self.latency_s < 0:
+            raise HardwareError(f"{self.name}: bytes_per_s must be > 0 and latency_s >= 0")
+
+    def transfer_s(self, num_bytes: float) -> float:
+        """Time to move `num_bytes` in one message: latency + bytes / bandwidth."""
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+# Per-direction figures: a GPU's NVLink total (e.g. 900 GB/s on H100) counts both directions.
+_LINKS = (
+    LinkSpec("nvlink", 450 * GIGA, 5e-6,
+             "NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU, half per direction"),
+    LinkSpec("infiniband", 50 * GIGA, 5e-6,
+             "InfiniBand NDR 400 Gb/s per GPU (ConnectX-7), one NIC per GPU"),
+    LinkSpec("ethernet", 12.5 * GIGA, 50e-6, "100 Gb/s Ethernet (TCP), one NIC per GPU"),
+)
+LINKS: MappingProxyType[str, LinkSpec] = MappingProxyType({lk.name: lk for lk in _LINKS})
+
+
+def get_link(name: str) -> LinkSpec:
+    """A link by name: nvlink, infiniband or ethernet."""
+    key = name.strip().lower()
+    if key not in LINKS:
+        raise HardwareError(f"unknown link {name!r}; choose one of: {', '.join(LINKS)}")
+    return LINKS[key]

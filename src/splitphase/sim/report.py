@@ -1,0 +1,222 @@
+"""The plan report: plan.json (best, frontier, every candidate), plan.html and plan.md.
+
+Reuses the audit report's page style, tables and plot helpers.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from splitphase.audit.report.html import CSS, table_html
+from splitphase.audit.report.markdown import table_md
+from splitphase.audit.report.plots import BLUE, GREY, ORANGE, pyplot, to_png
+from splitphase.errors import UserError
+from splitphase.sim.cluster import ClusterConfig, PoolConfig
+from splitphase.sim.planner import Candidate, PlanInputs
+
+TABLE_HEADER = ("configuration", "GPUs / unit", "goodput / GPU (req/s)", "GPUs at rate",
+                "measured at (req/s)", "TTFT p90", "TPOT p90", "$ / M in", "$ / M out")
+
+
+def _pool(p: PoolConfig | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    s = p.scheduler
+    return {"replicas": p.replicas, "tp": p.tp, "policy": s.policy, "role": s.role,
+            "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+            "num_kv_blocks": s.num_blocks, "block_size": s.block_size}
+
+
+def _unit(u: ClusterConfig) -> dict[str, Any]:
+    return {"policy": u.policy, "router": u.router, "colocated": _pool(u.colocated),
+            "prefill": _pool(u.prefill), "decode": _pool(u.decode), "gpus": u.num_gpus}
+
+
+def _metrics(m: dict[str, Any] | None) -> dict[str, Any] | None:
+    if m is None:
+        return None
+    return {k: v for k, v in m.items() if not k.endswith("_samples_s")}
+
+
+def candidate_doc(c: Candidate, price_usd_per_hour: float) -> dict[str, Any]:
+    """One candidate, JSON-ready."""
+    return {
+        "label": c.unit.label(),
+        "policy": c.unit.policy,
+        "unit": _unit(c.unit),
+        "unit_gpus": c.unit_gpus,
+        "goodput_rate_per_s": c.goodput_rate_per_s,
+        "goodput_per_gpu": c.goodput_per_gpu,
+        "probe_limited": c.probe_limited,
+        "curve": [[r, a] for r, a in c.curve],
+        "at_goodput": _metrics(c.at_goodput),
+        "copies_at_rate": c.copies,
+        "gpus_at_rate": c.gpus_needed,
+        "usd_per_hour_at_rate": (None if c.gpus_needed is None
+                                 else c.gpus_needed * price_usd_per_hour),
+        "at_rate": _metrics(c.verified),
+    }
+
+
+def _frontier(cands: list[Candidate]) -> list[dict[str, Any]]:
+    """Pareto frontier: the best goodput per GPU for each unit size, kept only if it beats
+    every smaller unit."""
+    best: dict[int, Candidate] = {}
+    for c in cands:
+        if c.goodput_per_gpu > 0 and (c.unit_gpus not in best
+                                      or c.goodput_per_gpu > best[c.unit_gpus].goodput_per_gpu):
+            best[c.unit_gpus] = c
+    out, top = [], 0.0
+    for gpus in sorted(best):
+        c = best[gpus]
+        if c.goodput_per_gpu > top:
+            top = c.goodput_per_gpu
+            out.append({"unit_gpus": gpus, "label": c.unit.label(),
+                        "goodput_per_gpu": c.goodput_per_gpu})
+    return out
+
+
+def _top(cands: list[Candidate], policies: tuple[str, ...]) -> Candidate | None:
+    pool = [c for c in cands if c.unit.policy in policies and c.goodput_per_gpu > 0]
+    return max(pool, key=lambda c: c.goodput_per_gpu, default=None)
+
+
+def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
+               ) -> dict[str, Any]:
+    """plan.json as a dict."""
+    price = inp.hardware.price_usd_per_hour
+    colo, dis = _top(cands, ("mixed", "chunked")), _top(cands, ("disaggregated",))
+    ratio = dis.goodput_per_gpu / colo.goodput_per_gpu if colo and dis else None
+    summary = []
+    if best is None:
+        summary.append(f"No configuration within {inp.max_gpus} GPUs meets TTFT <= "
+                       f"{inp.slo.ttft_s:g} s and TPOT <= {inp.slo.tpot_s:g} s for "
+                       f"{inp.slo.attainment:.0%} of requests at {inp.rate_per_s:g} req/s.")
+    else:
+        v = best.verified or {}
+        summary.append(
+            f"Cheapest: {best.unit.label()} x {best.copies} = {best.gpus_needed} GPUs "
+            f"(${(best.gpus_needed or 0) * price:.2f}/hour) serves {inp.rate_per_s:g} req/s with "
+            f"{v.get('slo_attainment', 0):.0%} of requests inside both SLOs.")
+    if colo and dis and ratio is not None:
+        winner = "disaggregated" if ratio > 1 else "colocated"
+        summary.append(
+            f"Goodput per GPU: best disaggregated {dis.goodput_per_gpu:.3g} vs best colocated "
+            f"{colo.goodput_per_gpu:.3g} req/s ({colo.unit.policy}): {ratio:.2f}x, {winner} wins.")
+    return {
+        "model": inp.model.name,
+        "hardware": {"name": inp.hardware.name, "price_usd_per_hour": price,
+                     "source": inp.hardware.source},
+        "workload": inp.workload.describe(),
+        "rate_per_s": inp.rate_per_s,
+        "slo": {"ttft_s": inp.slo.ttft_s, "tpot_s": inp.slo.tpot_s,
+                "attainment": inp.slo.attainment},
+        "max_gpus": inp.max_gpus,
+        "num_requests": inp.num_requests,
+        "efficiency": inp.efficiency.to_dict(),
+        "kv_link": {"name": inp.link.name, "bytes_per_s": inp.link.bytes_per_s,
+                    "latency_s": inp.link.latency_s},
+        "router": inp.router,
+        "summary": summary,
+        "best": None if best is None else {
+            **candidate_doc(best, price),
+            "usd_per_million_input_tokens": (best.verified or {}).get(
+                "usd_per_million_input_tokens"),
+            "usd_per_million_output_tokens": (best.verified or {}).get(
+                "usd_per_million_output_tokens"),
+        },
+        "best_colocated": None if colo is None else colo.unit.label(),
+        "best_disaggregated": None if dis is None else dis.unit.label(),
+        "disaggregated_over_colocated_goodput": ratio,
+        "frontier": _frontier(cands),
+        "candidates": [candidate_doc(c, price) for c in cands],
+    }
+
+
+def _row(c: dict[str, Any], rate: float) -> list[str]:
+    def ms(m: dict[str, Any] | None, k: str) -> str:
+        return "" if not m else f"{m[k]['p90_s'] * 1e3:.0f} ms"
+
+    def usd(m: dict[str, Any] | None, k: str) -> str:
+        return "" if not m or m.get(k) is None else f"${m[k]:.3g}"
+
+    # Latency and cost at the target rate when the configuration was sized for it, else at
+    # its own goodput (one unit, fully loaded).
+    m = c["at_rate"] or c["at_goodput"]
+    at = rate if c["at_rate"] else c["goodput_rate_per_s"]
+    return [c["label"], str(c["unit_gpus"]), f"{c['goodput_per_gpu']:.3g}",
+            str(c["gpus_at_rate"] or ""), f"{at:.3g}" if m else "", ms(m, "ttft"), ms(m, "tpot"),
+            usd(m, "usd_per_million_input_tokens"), usd(m, "usd_per_million_output_tokens")]
+
+
+def plots(doc: dict[str, Any], cands: list[Candidate]) -> dict[str, str]:
+    """Attainment vs rate per GPU (top configurations) and TTFT/TPOT distributions."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 3.8))
+    for c in sorted(cands, key=lambda c: -c.goodput_per_gpu)[:8]:
+        if c.curve:
+            ax.plot([r / c.unit_gpus for r, _ in c.curve], [a * 100 for _, a in c.curve],
+                    marker="o", ms=3, label=c.unit.label()[:60])
+    ax.axhline(doc["slo"]["attainment"] * 100, color=GREY, ls="--", lw=1)
+    ax.set_xlabel("request rate per GPU (req/s)")
+    ax.set_ylabel("requests meeting both SLOs (%)")
+    ax.set_title("SLO attainment vs rate: goodput is where a line crosses the target")
+    ax.legend(fontsize=6, frameon=False)
+    out = {"goodput": to_png(fig)}
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.2))
+    for color, policies in ((BLUE, ("mixed", "chunked")), (ORANGE, ("disaggregated",))):
+        top = _top(cands, policies)
+        if top is None or not top.verified:
+            continue
+        for ax, key, slo in ((axes[0], "ttft_samples_s", doc["slo"]["ttft_s"]),
+                             (axes[1], "tpot_samples_s", doc["slo"]["tpot_s"])):
+            xs = sorted(v * 1e3 for v in top.verified[key])
+            ax.plot(xs, [100 * (i + 1) / len(xs) for i in range(len(xs))], color=color,
+                    label=top.unit.policy)
+            ax.axvline(slo * 1e3, color=GREY, ls=":", lw=1)
+    axes[0].set_xlabel("TTFT (ms)")
+    axes[1].set_xlabel("TPOT (ms)")
+    axes[0].set_ylabel("requests (%), CDF at the target rate")
+    axes[0].legend(frameon=False)
+    out["latency"] = to_png(fig)
+    return out
+
+
+def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:
+    """Write plan.json, plan.html and plan.md into `out_dir`."""
+    out = Path(out_dir)
+    rows = [_row(c, doc["rate_per_s"])
+            for c in sorted(doc["candidates"], key=lambda c: -c["goodput_per_gpu"])]
+    figs = plots(doc, cands)
+    front_header = ("GPUs per unit", "best configuration", "goodput / GPU (req/s)")
+    front = [[str(f["unit_gpus"]), f["label"], f"{f['goodput_per_gpu']:.3g}"]
+             for f in doc["frontier"]]
+    summary = "".join(f"<li>{escape(s)}</li>" for s in doc["summary"])
+    imgs = "".join(f'<figure><img alt="{k}" src="data:image/png;base64,{v}"></figure>'
+                   for k, v in figs.items())
+    wl = doc["workload"]
+    page = (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>splitphase plan'
+        f'</title><style>{CSS}</style></head><body><main><header><h1>splitphase plan</h1>'
+        f'<div class="meta">{escape(doc["model"])} on {escape(doc["hardware"]["name"])}, '
+        f'workload {escape(str(wl["name"]))} at {doc["rate_per_s"]:g} req/s; SLOs TTFT '
+        f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s</div></header>'
+        f'<div class="summary"><ul>{summary}</ul></div><section>{imgs}'
+        f'<h2>Goodput frontier</h2>{table_html(front_header, front)}'
+        f'<h2>Every configuration</h2>{table_html(TABLE_HEADER, rows)}</section></main>'
+        '</body></html>'
+    )
+    md = ("# splitphase plan\n\n" + "".join(f"- {s}\n" for s in doc["summary"])
+          + "\n## Goodput frontier\n\n" + table_md(front_header, front)
+          + "\n## Every configuration\n\n" + table_md(TABLE_HEADER, rows))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        (out / "plan.html").write_text(page, encoding="utf-8")
+        (out / "plan.md").write_text(md, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write the plan to {out}: {exc.strerror or exc}") from exc
+    return out

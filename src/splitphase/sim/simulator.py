@@ -1,0 +1,190 @@
+"""The discrete-event loop (a heapq of timed events, as in Vidur) over a simulated cluster.
+
+Events: a request arrives (routed to a colocated or prefill replica), a replica's step ends
+(tokens applied; prefilled requests start their KV transfer; a decode replica's preempted
+requests go back to a prefill replica), a KV transfer ends (the prefill replica frees the
+blocks, the decode replica takes the request). After every event the replicas it touched start
+their next step if they are idle and have work: continuous batching, one step in flight each.
+Each prefill replica sends one KV transfer at a time over its link (the transfer queue). An
+optional dispatch delay models a front end's hop between a request's arrival and its replica.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from splitphase.engine.request import Request
+from splitphase.engine.scheduler import Handoff
+from splitphase.hardware.specs import HardwareSpec
+from splitphase.model.config import ModelConfig
+from splitphase.sim.cluster import ClusterConfig, Replica, Router, build_pool
+from splitphase.sim.cost_model import CostModel
+from splitphase.sim.replica import make_request
+from splitphase.sim.workload import SimRequest
+
+_STEP, _XFER, _ADD = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request's timeline in simulated seconds."""
+
+    index: int
+    arrival_s: float
+    first_token_s: float
+    finished_s: float
+    prompt_len: int
+    output_len: int
+    num_preemptions: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None for one-token outputs)."""
+        if self.output_len < 2:
+            return None
+        return (self.finished_s - self.first_token_s) / (self.output_len - 1)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+
+@dataclass
+class SimResult:
+    """Every finished request, plus per-replica busy time and step logs."""
+
+    records: list[RequestRecord]
+    replicas: list[Replica]
+    makespan_s: float
+    num_gpus: int
+    kv_transfer_s: float = 0.0
+    events: int = 0
+    prefill_gpu_s: float = 0.0  # device-seconds attributed to prefill work (for cost by phase)
+    decode_gpu_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Simulation:
+    """One run of a cluster over a list of requests; `run()` returns a `SimResult`."""
+
+    def __init__(self, cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
+                 record_steps: bool = False, dtype: str = "bfloat16", dtype_bytes: int = 2
+                 ) -> None:
+        self.cluster = cluster
+        base = CostModel(model, hardware, dtype=dtype, dtype_bytes=dtype_bytes)
+        self.colocated: list[Replica] = []
+        self.prefill: list[Replica] = []
+        self.decode: list[Replica] = []
+        if cluster.colocated is not None:
+            self.colocated = build_pool("c", cluster.colocated, base, record_steps)
+        if cluster.prefill is not None and cluster.decode is not None:
+            self.prefill = build_pool("p", cluster.prefill, base, record_steps)
+            self.decode = build_pool("d", cluster.decode, base, record_steps)
+        self.front = Router(cluster.router, self.colocated or self.prefill)
+        self.to_decode = Router(cluster.router, self.decode) if self.decode else None
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._link_free_s: dict[str, float] = {r.name: 0.0 for r in self.prefill}
+        self._records: list[RequestRecord] = []
+        self._xfer_s = 0.0
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        """Simulate until every request has finished."""
+        reqs = sorted(requests, key=lambda r: r.arrival_s)
+        i, n, events, now = 0, len(reqs), 0, 0.0
+        heap = self._heap
+        while i < n or heap:
+            events += 1
+            if heap and (i >= n or heap[0][0] <= reqs[i].arrival_s):
+                now, _, kind, payload = heapq.heappop(heap)
+                if kind == _STEP:
+                    self._on_step(payload, now)  # type: ignore[arg-type]
+                elif kind == _XFER:
+                    self._on_transfer(payload, now)  # type: ignore[arg-type]
+                else:
+                    self._admit(payload, now)  # type: ignore[arg-type]
+            else:
+                sim = reqs[i]
+                i += 1
+                now = sim.arrival_s
+                if self.cluster.dispatch_s > 0:
+                    self._push(now + self.cluster.dispatch_s, _ADD, sim)
+                else:
+                    self._admit(sim, now)
+        replicas = self.colocated + self.prefill + self.decode
+        result = SimResult(self._records, replicas, now, self.cluster.num_gpus, self._xfer_s,
+                           events)
+        for r in replicas:
+            tp = r.cost.tp
+            if r.role == "prefill":
+                result.prefill_gpu_s += tp * now
+            elif r.role == "decode":
+                result.decode_gpu_s += tp * now
+            else:  # split a colocated replica's whole time by its busy-time phase mix
+                share = r.prefill_busy_s / r.busy_s if r.busy_s > 0 else 0.0
+                result.prefill_gpu_s += tp * now * share
+                result.decode_gpu_s += tp * now * (1 - share)
+        return result
+
+    def _admit(self, sim: SimRequest, now_s: float) -> None:
+        replica = self.front.pick()
+        replica.add(make_request(sim))
+        self._kick(replica, now_s)
+
+    def _push(self, time_s: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (time_s, next(self._seq), kind, payload))
+
+    def _kick(self, replica: Replica, now_s: float) -> None:
+        end = replica.start_step(now_s)
+        if end is not None:
+            self._push(end, _STEP, replica)
+
+    def _on_step(self, replica: Replica, now_s: float) -> None:
+        finished, handoffs = replica.finish_step(now_s)
+        for req in finished:
+            self._record(req, now_s)
+        for h in handoffs:
+            if replica.role == "prefill":
+                self._start_transfer(replica, h, now_s)
+            else:  # preempted on a decode replica: a fresh prefill on a prefill replica
+                dst = self.front.pick()
+                dst.add(h.request)
+                self._kick(dst, now_s)
+        self._kick(replica, now_s)
+
+    def _start_transfer(self, src: Replica, h: Handoff, now_s: float) -> None:
+        start = max(now_s, self._link_free_s[src.name])
+        dur = src.cost.kv_transfer_s(h.num_computed_tokens, self.cluster.link)
+        self._link_free_s[src.name] = start + dur
+        self._xfer_s += dur
+        self._push(start + dur, _XFER, (src, h))
+
+    def _on_transfer(self, payload: tuple[Replica, Handoff], now_s: float) -> None:
+        src, h = payload
+        src.scheduler.release_handoff(h.request.request_id)
+        assert self.to_decode is not None
+        dst = self.to_decode.pick()
+        dst.add(h.request)
+        self._kick(dst, now_s)
+        self._kick(src, now_s)  # freed blocks may let a waiting prompt in
+
+    def _record(self, req: Request, now_s: float) -> None:
+        first = req.first_token_s if req.first_token_s is not None else now_s
+        self._records.append(RequestRecord(
+            int(req.request_id[1:]), req.arrival_time_s, first, now_s,
+            req.num_prompt_tokens, req.num_output_tokens, req.num_preemptions,
+        ))
+
+
+def simulate(cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
+             requests: Sequence[SimRequest], record_steps: bool = False,
+             dtype: str = "bfloat16", dtype_bytes: int = 2) -> SimResult:
+    """Run `requests` through `cluster` and return what happened."""
+    return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes).run(requests)

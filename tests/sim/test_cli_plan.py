@@ -1,0 +1,52 @@
+"""`splitphase plan`: a small real run writes plan.json/.html/.md; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from splitphase.cli import main
+
+BASE = ["plan", "--no-progress"]
+
+
+def _args(tmp_path: Path, **over: str) -> list[str]:
+    opts = {"--model-config": "llama-3.1-8b", "--hardware": "h100-sxm",
+            "--workload": "poisson:1,prompt=lognormal:300:0.3,output=fixed:16",
+            "--rate": "30", "--slo-ttft-s": "0.5", "--slo-tpot-s": "0.05",
+            "--out": str(tmp_path / "plan"), "--num-requests": "30"}
+    opts.update(over)
+    return BASE + [x for kv in opts.items() for x in kv]
+
+
+def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_args(tmp_path, **{"--max-gpus": "4"}) + ["--quick"]) == 0
+    doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert doc["best"]["gpus_at_rate"] <= 4 and doc["best"]["at_rate"]["meets_slo"]
+    assert len(doc["candidates"]) >= 5
+    for c in doc["candidates"]:
+        assert c["goodput_per_gpu"] >= 0 and c["curve"]
+    assert doc["frontier"] and (tmp_path / "plan" / "plan.html").stat().st_size > 10_000
+    md = (tmp_path / "plan" / "plan.md").read_text()
+    assert "Cheapest" in md and "## Goodput frontier" in md
+    assert "plan.html" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"--rate": "-1"}, "--rate"),
+    ({"--slo-ttft-s": "0"}, "--slo-ttft-s"),
+    ({"--slo-tpot-s": "0"}, "--slo-tpot-s"),
+    ({"--workload": "nosuchpreset"}, "unknown workload"),
+    ({"--workload": "trace:EMPTY"}, "no requests"),
+    ({"--model-config": "llama-3.1-70b", "--hardware": "l4", "--max-gpus": "1"}, "fits no"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          over: dict[str, str], message: str) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    over = {k: v.replace("EMPTY", str(empty)) for k, v in over.items()}
+    assert main(_args(tmp_path, **over)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("splitphase: error:") and message in err and "\n" not in err

@@ -1,0 +1,98 @@
+"""The cost model: roofline parts, tensor parallelism, KV capacity and transfer, calibration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from splitphase.audit.flops import attention_cost, step_cost
+from splitphase.hardware.specs import LINKS, get_hardware, get_link
+from splitphase.model.config import ModelConfig
+from splitphase.sim.calibrate import StepSample, fit_efficiency, prediction_error
+from splitphase.sim.cost_model import CostModel, CostModelError, Efficiency
+
+CFG = ModelConfig.from_name("llama-3.1-8b")
+H100 = get_hardware("h100-sxm")
+
+
+def test_decode_is_bandwidth_bound_and_grows_with_context() -> None:
+    eff = Efficiency(1.0, 1.0, 0.0, 0.0, 0.0)
+    cm = CostModel(CFG, H100, efficiency=eff)
+    one = cm.step_time([], [1000]).total_s
+    cost = step_cost(CFG, [], [1000])
+    assert one == pytest.approx(cost.bytes / H100.mem_bandwidth_bytes_per_s, rel=0.01)
+    assert cm.step_time([], [8000] * 32).total_s > 3 * one
+
+
+def test_prefill_is_compute_bound_and_dense_plus_attention_add() -> None:
+    eff = Efficiency(1.0, 1.0, 0.0, 0.0, 0.0)
+    cm = CostModel(CFG, H100, efficiency=eff)
+    chunks = [(4096, 0)]
+    total, attn = step_cost(CFG, chunks, []), attention_cost(CFG, chunks, [])
+    peak = H100.peak_flops_per_s()
+    expect = (total.flops - attn.flops) / peak + max(
+        attn.flops / peak, attn.bytes / H100.mem_bandwidth_bytes_per_s)
+    assert cm.step_time(chunks, []).total_s == pytest.approx(expect)
+    # A decode batch riding on a prefill chunk pays its KV reads on top (interference).
+    small = [(512, 0)]
+    alone = cm.step_time(small, []).total_s
+    kv_s = 16 * 6000 * cm.kv_bytes_per_token() / H100.mem_bandwidth_bytes_per_s
+    assert cm.step_time(small, [6000] * 16).total_s == pytest.approx(alone + kv_s, rel=0.05)
+
+
+def test_small_gemms_run_below_the_large_batch_rate() -> None:
+    cm = CostModel(CFG, H100, efficiency=Efficiency(0.5, 0.6, 0.0, 0.0, 128.0))
+    per_token_small = cm.step_time([(256, 0)], []).total_s / 256
+    per_token_large = cm.step_time([(2048, 0)], []).total_s / 2048
+    assert per_token_small > 1.25 * per_token_large
+
+
+def test_tensor_parallelism_splits_work_and_adds_allreduce() -> None:
+    eff = Efficiency(0.5, 0.6, 0.0, 0.0, 0.0)
+    t1 = CostModel(CFG, H100, 1, eff).step_time([(4096, 0)], []).total_s
+    cm2 = CostModel(CFG, H100, 2, eff)
+    t2 = cm2.step_time([(4096, 0)], []).total_s
+    assert cm2.allreduce_s(4096) > 0
+    assert t2 == pytest.approx(t1 / 2 + cm2.allreduce_s(4096), rel=1e-6)
+    with pytest.raises(CostModelError):
+        CostModel(CFG, H100, 3)
+    with pytest.raises(CostModelError):
+        CostModel(CFG, get_hardware("l4"), 2)  # no interconnect in the table
+
+
+def test_kv_capacity_and_transfer() -> None:
+    cm = CostModel(CFG, H100)
+    blocks = cm.num_kv_blocks(16)
+    kv_bytes = blocks * 16 * cm.kv_bytes_per_token()
+    assert kv_bytes == pytest.approx(80e9 * 0.9 - cm.weight_bytes, rel=0.01)
+    with pytest.raises(CostModelError, match="does not fit"):
+        CostModel(ModelConfig.from_name("llama-3.1-70b"), H100).num_kv_blocks(16)
+    nv, ib = get_link("nvlink"), get_link("infiniband")
+    assert cm.kv_transfer_s(8000, ib) > 5 * cm.kv_transfer_s(8000, nv)
+    assert set(LINKS) == {"nvlink", "infiniband", "ethernet"}
+
+
+def test_efficiency_from_audit_report(tmp_path: Path) -> None:
+    p = tmp_path / "report.json"
+    p.write_text(json.dumps({"prefill": {"flops_utilization": 0.41},
+                             "decode": {"bandwidth_utilization": 0.73}}))
+    eff = Efficiency.from_audit_report(tmp_path)
+    assert (eff.flops_fraction, eff.bandwidth_fraction) == (0.41, 0.73)
+    p.write_text("{}")
+    with pytest.raises(CostModelError):
+        Efficiency.from_audit_report(p)
+
+
+def test_fit_recovers_step_times_it_was_given() -> None:
+    cfg, hw = ModelConfig.from_name("small"), get_hardware("h100-sxm")
+    truth = CostModel(cfg, hw, efficiency=Efficiency(0.2, 0.4, 2e-3, 1e-4, 64.0),
+                      dtype="float32", dtype_bytes=4)
+    shapes = [((n, 0),) for n in (16, 64, 256, 512)] + [()] * 4
+    ctxs = [(), (), (), (), (100,), (200,) * 4, (300,) * 8, (50,) * 16]
+    samples = [StepSample(c, d, truth.step_time(c, d).total_s)
+               for c, d in zip(shapes, ctxs, strict=True)]
+    eff = fit_efficiency(cfg, hw, samples)
+    fitted = CostModel(cfg, hw, efficiency=eff, dtype="float32", dtype_bytes=4)
+    assert prediction_error(fitted, samples) < 0.05

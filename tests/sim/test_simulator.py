@@ -1,0 +1,92 @@
+"""The event loop: colocated and disaggregated clusters, prefix hits, routing, metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from splitphase.engine.scheduler import SchedulerConfig
+from splitphase.hardware.specs import get_hardware, get_link
+from splitphase.model.config import ModelConfig
+from splitphase.sim.cluster import ClusterConfig, PoolConfig
+from splitphase.sim.metrics import SLO, percentile, summarize
+from splitphase.sim.simulator import simulate
+from splitphase.sim.workload import parse_workload
+
+CFG = ModelConfig.from_name("llama-3.1-8b")
+HW = get_hardware("h100-sxm")
+SAMPLE = Path(__file__).parent / "mooncake_sample.jsonl"
+
+
+def _sched(policy: str = "chunked", role: str | None = None, prefix: bool = False
+           ) -> SchedulerConfig:
+    return SchedulerConfig(policy=policy, role=role, max_num_seqs=64,
+                           max_num_batched_tokens=2048, num_blocks=4000,
+                           enable_prefix_caching=prefix)
+
+
+def _disagg(link: str = "nvlink") -> ClusterConfig:
+    return ClusterConfig(prefill=PoolConfig(1, 1, _sched("disaggregated", "prefill")),
+                         decode=PoolConfig(2, 1, _sched("disaggregated", "decode")),
+                         link=get_link(link))
+
+
+def test_every_request_finishes_with_its_output_length() -> None:
+    reqs = parse_workload("chat").with_rate(4).generate(60, 1, 8192)
+    for cluster in (ClusterConfig(colocated=PoolConfig(2, 1, _sched())), _disagg()):
+        res = simulate(cluster, CFG, HW, reqs)
+        assert len(res.records) == 60
+        by = {r.index: r for r in res.records}
+        for q in reqs:
+            rec = by[q.index]
+            assert rec.output_len == q.output_len and rec.prompt_len == q.prompt_len
+            assert rec.arrival_s <= rec.first_token_s <= rec.finished_s
+
+
+def test_disaggregation_pays_kv_transfer_on_the_link() -> None:
+    reqs = parse_workload("rag").with_rate(2).generate(30, 2, 16384)
+    fast = simulate(_disagg("nvlink"), CFG, HW, reqs)
+    slow = simulate(_disagg("ethernet"), CFG, HW, reqs)
+    assert slow.kv_transfer_s > 10 * fast.kv_transfer_s > 0
+    tpot = [percentile([t for r in x.records if (t := r.tpot_s) is not None], 50)
+            for x in (fast, slow)]
+    assert tpot[1] > tpot[0]
+
+
+def test_trace_prefix_hashes_become_cache_hits() -> None:
+    reqs = parse_workload(f"trace:{SAMPLE}").with_rate(2).generate(40)
+    cached = {}
+    for prefix in (False, True):
+        cluster = ClusterConfig(colocated=PoolConfig(1, 1, SchedulerConfig(
+            policy="chunked", max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=30000,
+            enable_prefix_caching=prefix)))
+        res = simulate(cluster, CFG, HW, reqs)
+        replica = res.replicas[0]
+        cached[prefix] = replica.busy_s
+    assert cached[True] < cached[False]  # shared 512-token blocks skip their prefill
+
+
+def test_least_loaded_routing_balances_bursts() -> None:
+    reqs = parse_workload("gamma:20:4,prompt=fixed:2000,output=fixed:50").generate(80, 5, 8192)
+    p99 = {}
+    for router in ("round_robin", "least_loaded"):
+        cluster = ClusterConfig(colocated=PoolConfig(4, 1, _sched()), router=router)
+        res = simulate(cluster, CFG, HW, reqs)
+        busy = [r.busy_s for r in res.replicas]
+        assert all(b > 0 for b in busy)
+        p99[router] = percentile([r.ttft_s for r in res.records], 99)
+    assert p99["least_loaded"] <= p99["round_robin"] * 1.05
+
+
+def test_summary_metrics_and_costs() -> None:
+    reqs = parse_workload("chat").with_rate(3).generate(50, 0, 8192)
+    res = simulate(ClusterConfig(colocated=PoolConfig(1, 2, _sched())), CFG, HW, reqs)
+    m = summarize(res, SLO(10.0, 1.0), HW.price_usd_per_hour)
+    assert m["requests"] == 50 and m["gpus"] == 2 and m["meets_slo"] is True
+    assert m["ttft"]["p50_s"] <= m["ttft"]["p90_s"] <= m["ttft"]["p99_s"]
+    assert 0 < m["usd_per_million_input_tokens"] < m["usd_per_million_output_tokens"]
+    strict = summarize(res, SLO(1e-6, 1e-6), HW.price_usd_per_hour)
+    assert strict["slo_attainment"] == 0 and strict["meets_slo"] is False
+    with pytest.raises(ValueError):
+        SLO(0.0, 1.0)
