@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from splitphase.kernels import skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
     Attention,
@@ -173,8 +174,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        q = self.self_attn.project_q(h, cos, sin)
-        k, v = self.self_attn.project_kv(h, cos, sin)
+        q, k, v = self.self_attn.project_qkv(h, cos, sin)
         x = x + self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -238,7 +238,7 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head (tied or not): (..., D) -> (..., V)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
+        return skinny.linear(hidden, weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits (B, T, V) with no cache."""

@@ -1,0 +1,205 @@
+// Skinny matrix products for the decode phase: y = x W^T for a few rows of x (batch-1 to
+// batch-16 decode), with W in nn.Linear's (out, in) layout. Each weight row is streamed from
+// memory once per call and dotted with every row of x while it sits in L1. Output rows are
+// claimed in small chunks by torch's OpenMP threads (its intra-op thread count), so every core
+// pulls weight bytes and a thread that lost its core to another job holds back one chunk, not
+// a static half. (A separate helper-thread pool measured slower inside the model: its threads
+// competed with torch's spinning OpenMP workers for the same two cores.)
+// Several weights can share one call (fused QKV, SwiGLU's gate and up). Accumulation is fp32
+// for fp32 and bf16 weights alike, as in torch's CPU linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kMaxRows = 16;  // rows of x handled per weight-row pass
+constexpr int64_t kGrainRows = 16;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// The first n < 16 lanes, zeros after: the tail is one more masked step of the same
+// accumulation, so every path sums in the same order (no scalar tail for the compiler to
+// contract differently).
+inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline __m512 load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
+inline __m512 load_tail(const c10::BFloat16* p, int64_t n) {
+  __m256i raw = _mm256_maskz_loadu_epi16(tail_mask(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
+// at once (more misses in flight than one row at a time), x loaded once for all four.
+template <typename W>
+inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 xv = _mm512_loadu_ps(x + i);
+    a0 = _mm512_fmadd_ps(load16(w + i), xv, a0);
+    a1 = _mm512_fmadd_ps(load16(w + k + i), xv, a1);
+    a2 = _mm512_fmadd_ps(load16(w + 2 * k + i), xv, a2);
+    a3 = _mm512_fmadd_ps(load16(w + 3 * k + i), xv, a3);
+  }
+  if (i < k) {
+    __m512 xv = load_tail(x + i, k - i);
+    a0 = _mm512_fmadd_ps(load_tail(w + i, k - i), xv, a0);
+    a1 = _mm512_fmadd_ps(load_tail(w + k + i, k - i), xv, a1);
+    a2 = _mm512_fmadd_ps(load_tail(w + 2 * k + i, k - i), xv, a2);
+    a3 = _mm512_fmadd_ps(load_tail(w + 3 * k + i, k - i), xv, a3);
+  }
+  out[0] = _mm512_reduce_add_ps(a0);
+  out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2);
+  out[3] = _mm512_reduce_add_ps(a3);
+}
+
+// acc[b] = dot(w, x[b]) for b < nb (nb <= 4), x rows fp32 with stride k. Every path sums a
+// (row, x-row) dot in the same order (one 16-lane accumulator, then the tail), so a row's
+// result does not depend on how many rows share the call: batch-invariant decode.
+template <typename W>
+inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 wv = load16(w + i);
+    a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), a0);
+    if (nb > 1) a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k + i), a1);
+    if (nb > 2) a2 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 2 * k + i), a2);
+    if (nb > 3) a3 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 3 * k + i), a3);
+  }
+  if (i < k) {
+    __m512 wv = load_tail(w + i, k - i);
+    a0 = _mm512_fmadd_ps(wv, load_tail(x + i, k - i), a0);
+    if (nb > 1) a1 = _mm512_fmadd_ps(wv, load_tail(x + k + i, k - i), a1);
+    if (nb > 2) a2 = _mm512_fmadd_ps(wv, load_tail(x + 2 * k + i, k - i), a2);
+    if (nb > 3) a3 = _mm512_fmadd_ps(wv, load_tail(x + 3 * k + i, k - i), a3);
+  }
+  float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                _mm512_reduce_add_ps(a3)};
+  for (int b = 0; b < nb; ++b) out[b] = s[b];
+}
+#else
+template <typename W>
+inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+  for (int r = 0; r < 4; ++r) {
+    float s = 0.f;
+    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[r * k + i]) * x[i];
+    out[r] = s;
+  }
+}
+
+template <typename W>
+inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+  for (int b = 0; b < nb; ++b) {
+    float s = 0.f;
+    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[i]) * x[b * k + i];
+    out[b] = s;
+  }
+}
+#endif
+
+// out[b] = dot(w, x[b]) for all b < nb (any nb <= kMaxRows).
+template <typename W>
+inline void dot_rows(const W* w, const float* x, int64_t k, int nb, float* out) {
+  for (int b = 0; b < nb; b += 4) dot_rows4(w, x + b * k, k, std::min(4, nb - b), out + b);
+}
+
+// Calls fn(begin, end) over [0, n) in chunks shared by torch's intra-op thread count.
+void parallel_rows(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  int threads = at::get_num_threads();
+  int64_t chunk = std::max<int64_t>(kGrainRows, (n + 32 * threads - 1) / (32 * threads));
+  int64_t n_chunks = (n + chunk - 1) / chunk;
+  if (threads <= 1 || n_chunks <= 1) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+    }
+  }
+}
+
+void check_inputs(const at::Tensor& x, at::TensorList ws) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "x must be (rows <= 16, in_features)");
+  TORCH_CHECK(!ws.empty(), "at least one weight");
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "weight must be (out, in_features)");
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == x.scalar_type(), "contiguous, x's dtype");
+    TORCH_CHECK(w.device().is_cpu(), "CPU tensors only");
+  }
+}
+
+template <typename T>
+void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
+  std::vector<int64_t> start(ws.size() + 1, 0);
+  std::vector<const T*> wp(ws.size());
+  std::vector<T*> yp(ws.size());
+  for (size_t j = 0; j < ws.size(); ++j) {
+    start[j + 1] = start[j] + ws[j].size(0);
+    wp[j] = ws[j].data_ptr<T>();
+    yp[j] = ys[j].data_ptr<T>();
+  }
+  // One parallel range over the rows of all weights: each thread streams its share.
+  parallel_rows(start.back(), [&](int64_t begin, int64_t end) {
+    size_t j = 0;
+    float acc[kMaxRows];
+    for (int64_t n = begin; n < end; ++n) {
+      while (n >= start[j + 1]) ++j;
+      int64_t row = n - start[j], width = start[j + 1] - start[j];
+      if (nb == 1 && n + 4 <= end && n + 4 <= start[j + 1]) {  // four rows, one x
+        dot_4rows1(wp[j] + row * k, xf, k, acc);
+        for (int r = 0; r < 4; ++r) yp[j][row + r] = static_cast<T>(acc[r]);
+        n += 3;
+        continue;
+      }
+      dot_rows(wp[j] + row * k, xf, k, nb, acc);
+      for (int b = 0; b < nb; ++b) yp[j][b * width + row] = static_cast<T>(acc[b]);
+    }
+  });
+}
+
+// [x @ w.T for w in ws]: each output (rows, out_j) contiguous, one pass over every weight.
+std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
+  check_inputs(x, ws);
+  std::vector<at::Tensor> ys;
+  for (const auto& w : ws) ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
+  auto xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  int nb = static_cast<int>(x.size(0));
+  if (x.scalar_type() == at::kFloat) {
+    linear_impl<float>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_impl<c10::BFloat16>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+  } else {
+    TORCH_CHECK(false, "skinny_linear supports float32 and bfloat16");
+  }
+  return ys;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitphase, m) {
+  m.def("skinny_linear(Tensor x, Tensor[] ws) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+}
