@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("skinny_linear.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "skinny_linear.cpp", HERE / "decode_attention.cpp"]
 _NAME = "splitphase_skinny_linear"
 
 
@@ -57,7 +58,7 @@ def enabled() -> bool:
 def _try_load() -> KernelStatus:
     if not enabled():
         return KernelStatus(False, "disabled by SPLITPHASE_KERNELS=0")
-    if hasattr(torch.ops.splitphase, "skinny_linear"):
+    if hasattr(torch.ops.splitphase, "decode_attention"):
         return KernelStatus(True, "already registered")
     try:
         from torch.utils import cpp_extension
@@ -66,7 +67,8 @@ def _try_load() -> KernelStatus:
         path.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
+            extra_include_paths=[str(HERE)],
             # fp-contract off: the portable path must not fuse a*b+c differently per call site.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],

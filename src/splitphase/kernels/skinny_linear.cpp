@@ -19,7 +19,8 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#define SPLITPHASE_AVX512 1
+#include "simd.h"
 #endif
 
 namespace {
@@ -27,21 +28,9 @@ namespace {
 constexpr int kMaxRows = 16;  // rows of x handled per weight-row pass
 constexpr int64_t kGrainRows = 16;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-// The first n < 16 lanes, zeros after: the tail is one more masked step of the same
-// accumulation, so every path sums in the same order (no scalar tail for the compiler to
-// contract differently).
-inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
-inline __m512 load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
-inline __m512 load_tail(const c10::BFloat16* p, int64_t n) {
-  __m256i raw = _mm256_maskz_loadu_epi16(tail_mask(n), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+#if SPLITPHASE_AVX512
+using splitphase_simd::load16;
+using splitphase_simd::load_tail;
 
 // out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
 // at once (more misses in flight than one row at a time), x loaded once for all four.

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from splitphase.kernels import skinny
+from splitphase.kernels.attention import decode_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
     Attention,
@@ -132,10 +133,25 @@ class KVCache:
         k_all, v_all = self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]  # (B, S, G, D)
         q_len = q.shape[1]
         if q_len == 1:  # one new token attends to everything before it: no mask needed
-            return attn.attend(q, k_all, v_all, mask=None, causal=False)
+            return self._decode_attend(layer_idx, attn, q, end)
         if start == 0:
             return attn.attend(q, k_all, v_all, mask=None, causal=True)
         return attn.attend(q, k_all, v_all, mask=causal_mask(q_len, end, q.device), causal=False)
+
+    def _decode_attend(
+        self, layer_idx: int, attn: Attention, q: torch.Tensor, end: int
+    ) -> torch.Tensor:
+        """One token per row over positions [0, end): the native kernel reads the cache in place."""
+        if not skinny.is_enabled() or q.device.type != "cpu":
+            k_all, v_all = self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]
+            return attn.attend(q, k_all, v_all, mask=None, causal=False)
+        batch, max_len = self.k.shape[1], self.k.shape[2]
+        pool_k = self.k[layer_idx].flatten(0, 1)  # (B*T_max, G, D), row b at b*T_max
+        pool_v = self.v[layer_idx].flatten(0, 1)
+        slots = torch.arange(end)[None] + torch.arange(batch)[:, None] * max_len  # (B, S)
+        lengths = torch.full((batch,), end, dtype=torch.long)
+        out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
+        return out.flatten(1)[:, None]  # (B, 1, H*D)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         """Read-only attention over the stored K/V, including this pass's (see the protocol)."""
