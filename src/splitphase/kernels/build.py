@@ -9,6 +9,7 @@ builds ahead of time (`make kernels`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -18,7 +19,16 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "skinny_linear.cpp", HERE / "decode_attention.cpp"]
-_NAME = "splitphase_skinny_linear"
+HEADERS = [HERE / "simd.h", HERE / "pool.h"]
+_NAME = "splitphase_kernels"
+
+
+def source_digest() -> str:
+    """Hash of every source and header: torch's loader only notices changed sources."""
+    h = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 @dataclass
@@ -63,7 +73,7 @@ def _try_load() -> KernelStatus:
     try:
         from torch.utils import cpp_extension
 
-        path = build_dir()
+        path = build_dir() / source_digest()
         path.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=_NAME,
@@ -78,7 +88,7 @@ def _try_load() -> KernelStatus:
         )
     except Exception as exc:  # no compiler, no headers, a failed link: torch fallback
         return KernelStatus(False, f"build failed: {type(exc).__name__}: {str(exc)[:300]}")
-    return KernelStatus(True, f"built in {build_dir()}")
+    return KernelStatus(True, f"built in {build_dir() / source_digest()}")
 
 
 def status() -> KernelStatus:

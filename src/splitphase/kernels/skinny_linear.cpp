@@ -1,18 +1,17 @@
 // Skinny matrix products for the decode phase: y = x W^T for a few rows of x (batch-1 to
 // batch-16 decode), with W in nn.Linear's (out, in) layout. Each weight row is streamed from
 // memory once per call and dotted with every row of x while it sits in L1. Output rows are
-// claimed in small chunks by torch's OpenMP threads (its intra-op thread count), so every core
-// pulls weight bytes and a thread that lost its core to another job holds back one chunk, not
-// a static half. (A separate helper-thread pool measured slower inside the model: its threads
-// competed with torch's spinning OpenMP workers for the same two cores.)
+// shared out in small chunks over all intra-op threads (pool.h), so every core pulls weight
+// bytes.
 // Several weights can share one call (fused QKV, SwiGLU's gate and up). Accumulation is fp32
 // for fp32 and bf16 weights alike, as in torch's CPU linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <functional>
+
+#include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -109,24 +108,6 @@ inline void dot_rows(const W* w, const float* x, int64_t k, int nb, float* out) 
   for (int b = 0; b < nb; b += 4) dot_rows4(w, x + b * k, k, std::min(4, nb - b), out + b);
 }
 
-// Calls fn(begin, end) over [0, n) in chunks shared by torch's intra-op thread count.
-void parallel_rows(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-  int threads = at::get_num_threads();
-  int64_t chunk = std::max<int64_t>(kGrainRows, (n + 32 * threads - 1) / (32 * threads));
-  int64_t n_chunks = (n + chunk - 1) / chunk;
-  if (threads <= 1 || n_chunks <= 1) {
-    fn(0, n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
-  {
-    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-      fn(c * chunk, std::min(n, (c + 1) * chunk));
-    }
-  }
-}
-
 void check_inputs(const at::Tensor& x, at::TensorList ws) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "x must be (rows <= 16, in_features)");
   TORCH_CHECK(!ws.empty(), "at least one weight");
@@ -148,7 +129,7 @@ void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vec
     yp[j] = ys[j].data_ptr<T>();
   }
   // One parallel range over the rows of all weights: each thread streams its share.
-  parallel_rows(start.back(), [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(start.back(), kGrainRows, [&](int64_t begin, int64_t end) {
     size_t j = 0;
     float acc[kMaxRows];
     for (int64_t n = begin; n < end; ++n) {

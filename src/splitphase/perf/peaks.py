@@ -11,6 +11,7 @@ from splitphase.hardware.calibrate import (
     measure_gemm_flops_per_s,
     measure_triad_bandwidth_bytes_per_s,
 )
+from splitphase.hardware.specs import HARDWARE
 from splitphase.model.config import ModelConfig
 from splitphase.perf.timing import best_s
 
@@ -47,6 +48,21 @@ def matmul_peak_flops_per_s(
     return {"best": best, **by_shape}
 
 
+def datasheet_peaks(device: torch.device) -> dict[str, float]:
+    """The hardware table's bandwidth and bf16 peak for a recognised GPU (H100/H200/A100)."""
+    if device.type != "cuda":
+        return {}
+    name = torch.cuda.get_device_name(device).lower()
+    key = next((k for k in HARDWARE if k.split("-")[0] in name.replace(" ", "")), None)
+    if key is None:
+        return {}
+    spec = HARDWARE[key]
+    return {
+        "datasheet_bandwidth_bytes_per_s": spec.mem_bandwidth_bytes_per_s,
+        "datasheet_bf16_flops_per_s": spec.peak_bf16_flops_per_s,
+    }
+
+
 def triad_bytes_per_s(device: torch.device, mib_per_array: int, repeats: int) -> float:
     """STREAM triad a = b + 3c in fp32 on `device`; 3 arrays of traffic per pass."""
     if device.type == "cpu":
@@ -65,7 +81,7 @@ def measure_peaks(
     if device.type == "cuda":
         mib = 2048 if not quick else 256
     rows = 64 if quick else 512
-    out = {"triad_bytes_per_s": triad_bytes_per_s(device, mib, repeats)}
+    out = {"triad_bytes_per_s": triad_bytes_per_s(device, mib, repeats), **datasheet_peaks(device)}
     for name in dtypes:
         dtype = getattr(torch, name)
         shapes = matmul_peak_flops_per_s(cfg, dtype, rows, repeats, device)
