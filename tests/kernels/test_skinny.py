@@ -114,3 +114,18 @@ def test_model_decode_matches_reference_path(dtype: str) -> None:
     torch.testing.assert_close(logits_fast, logits_ref, atol=tol, rtol=tol)
     for a, b in zip(steps_fast, steps_ref, strict=True):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_a_forked_child_runs_the_kernel_with_its_own_helpers() -> None:
+    import os
+
+    x, w = torch.randn(3, 256), torch.randn(4096, 256)
+    with torch.inference_mode():
+        expected = skinny.linear(x, w)  # the parent's helpers exist now
+        pid = os.fork()
+        if pid == 0:  # child: must neither hang nor crash, and must agree
+            ok = torch.equal(skinny.linear(x, w), expected)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "skinny_linear.cpp", HERE / "decode_attention.cpp"]
+SOURCES = [HERE / n for n in ("skinny_linear.cpp", "decode_attention.cpp", "norm_rope.cpp")]
 HEADERS = [HERE / "simd.h", HERE / "pool.h"]
 _NAME = "splitphase_kernels"
 
@@ -68,7 +68,7 @@ def enabled() -> bool:
 def _try_load() -> KernelStatus:
     if not enabled():
         return KernelStatus(False, "disabled by SPLITPHASE_KERNELS=0")
-    if hasattr(torch.ops.splitphase, "decode_attention"):
+    if hasattr(torch.ops.splitphase, "rope"):
         return KernelStatus(True, "already registered")
     try:
         from torch.utils import cpp_extension

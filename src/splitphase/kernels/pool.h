@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define SPLITPHASE_PAUSE() _mm_pause()
@@ -32,12 +34,24 @@ class HelperPool {
  public:
   ~HelperPool() { resize(0); }
 
+  // After fork() the helpers exist only in the parent: the child forgets them (never joins)
+  // and starts its own on the next call.
+  void adopt_after_fork() {
+    if (owner_ == getpid()) return;
+    new std::vector<std::thread>(std::move(threads_));  // leaked on purpose: not joinable here
+    threads_.clear();
+    sleepers_.store(0);
+    stop_.store(false);
+    owner_ = getpid();
+  }
+
   void run(int threads, int64_t n_chunks, const std::function<void(int64_t)>& fn) {
     if (threads <= 1 || n_chunks <= 1) {
       for (int64_t c = 0; c < n_chunks; ++c) fn(c);
       return;
     }
     std::lock_guard<std::mutex> one_job(job_mutex_);  // callers from several threads queue
+    adopt_after_fork();
     resize(threads - 1);
     fn_ = &fn;
     n_chunks_ = n_chunks;
@@ -86,6 +100,7 @@ class HelperPool {
   }
 
   void resize(size_t helpers) {
+    adopt_after_fork();
     if (helpers == threads_.size()) return;
     stop_.store(true);
     { std::lock_guard<std::mutex> lk(mutex_); }
@@ -105,6 +120,7 @@ class HelperPool {
   std::atomic<bool> stop_{false};
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_chunks_ = 0;
+  pid_t owner_ = getpid();
 };
 
 inline HelperPool& pool() {

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitphase.kernels import skinny
+from splitphase.kernels import elementwise, skinny
 from splitphase.model.config import ModelConfig
 
 
@@ -37,6 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = elementwise.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -90,6 +93,9 @@ def rope_cos_sin(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x of shape (B, T, heads, D) by position; cos/sin broadcast as (B or 1, T, 1, D)."""
+    fused = elementwise.rope(x, cos, sin)
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,12 +1,13 @@
 """The same weights through Hugging Face transformers' Llama, timed as users would run it.
 
-Decode is `generate` with its KV cache, greedy; its per-token time is the difference between
-a long and a one-token `generate` over the same prompt, so the prompt's prefill cancels out.
+Decode is `generate` with its KV cache, greedy; a logits processor stamps the clock at every
+generated token, so a decode step is the time between two stamps (the best one, as ours).
 Prefill is the one-token `generate` (prompt forward plus one logits row), as our `prefill`.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -46,7 +47,20 @@ def hf_llama(model: Transformer) -> Any | None:
     return hf
 
 
-def _generate(hf: Any, ids: torch.Tensor, new_tokens: int) -> None:
+class _Stamps:
+    """A logits processor that records when each generated token's logits arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate(hf: Any, ids: torch.Tensor, new_tokens: int, stamps: _Stamps | None = None) -> None:
+    from transformers import LogitsProcessorList
+
     with torch.inference_mode():
         hf.generate(
             input_ids=ids,
@@ -54,6 +68,7 @@ def _generate(hf: Any, ids: torch.Tensor, new_tokens: int) -> None:
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
+            logits_processor=LogitsProcessorList([stamps] if stamps else []),
         )
 
 
@@ -63,11 +78,11 @@ def time_hf(
     """transformers' decode tok/s at batch 1 (after `context` tokens) and prefill seconds."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(5, vocab, (1, context), generator=g)
-    one = best_s(lambda: _generate(hf, prompt, 1), repeats)
-    many = best_s(lambda: _generate(hf, prompt, 1 + decode_tokens), max(1, repeats // 2))
+    stamps = _Stamps()
+    _generate(hf, prompt, 1 + decode_tokens, stamps)
+    steps = [b - a for a, b in zip(stamps.times, stamps.times[1:], strict=False)]
     ids = torch.randint(5, vocab, (1, prefill_len), generator=g)
-    prefill_s = one if prefill_len == context else best_s(lambda: _generate(hf, ids, 1), repeats)
     return {
-        "decode_step_s_b1": max(many - one, 1e-9) / decode_tokens,
-        "prefill_s": prefill_s,
+        "decode_step_s_b1": min(steps),
+        "prefill_s": best_s(lambda: _generate(hf, ids, 1), repeats),
     }
