@@ -107,6 +107,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # tokens whose K/V are stored
         self._pending = 0  # tokens written by the pass in flight
+        self._decode_slots: tuple[int, torch.Tensor, torch.Tensor] | None = None  # per step
 
     @property
     def nbytes(self) -> int:
@@ -145,11 +146,13 @@ class KVCache:
         if not skinny.is_enabled() or q.device.type != "cpu":
             k_all, v_all = self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]
             return attn.attend(q, k_all, v_all, mask=None, causal=False)
-        batch, max_len = self.k.shape[1], self.k.shape[2]
         pool_k = self.k[layer_idx].flatten(0, 1)  # (B*T_max, G, D), row b at b*T_max
         pool_v = self.v[layer_idx].flatten(0, 1)
-        slots = torch.arange(end)[None] + torch.arange(batch)[:, None] * max_len  # (B, S)
-        lengths = torch.full((batch,), end, dtype=torch.long)
+        if self._decode_slots is None or self._decode_slots[0] != end:  # once per step
+            batch, max_len = self.k.shape[1], self.k.shape[2]
+            slots = torch.arange(end)[None] + torch.arange(batch)[:, None] * max_len  # (B, S)
+            self._decode_slots = (end, slots, torch.full((batch,), end, dtype=torch.long))
+        _, slots, lengths = self._decode_slots
         out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
         return out.flatten(1)[:, None]  # (B, 1, H*D)
 
