@@ -31,6 +31,19 @@ constexpr int64_t kGrainRows = 16;
 using splitphase_simd::load16;
 using splitphase_simd::load_tail;
 
+// out[0..4) = horizontal sums of a0..a3, all four at once (a transpose-and-add tree instead of
+// four serial reductions). Every path reduces through here, so a row's sum has one order.
+inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
+  __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));  // [s0 s1 s2 s3] x4
+  __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+
 // out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
 // at once (more misses in flight than one row at a time), x loaded once for all four.
 template <typename W>
@@ -51,10 +64,7 @@ inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
     a2 = _mm512_fmadd_ps(load_tail(w + 2 * k + i, k - i), xv, a2);
     a3 = _mm512_fmadd_ps(load_tail(w + 3 * k + i, k - i), xv, a3);
   }
-  out[0] = _mm512_reduce_add_ps(a0);
-  out[1] = _mm512_reduce_add_ps(a1);
-  out[2] = _mm512_reduce_add_ps(a2);
-  out[3] = _mm512_reduce_add_ps(a3);
+  reduce4(a0, a1, a2, a3, out);
 }
 
 // acc[b] = dot(w, x[b]) for b < nb (nb <= 4), x rows fp32 with stride k. Every path sums a
@@ -78,10 +88,52 @@ inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out)
     if (nb > 2) a2 = _mm512_fmadd_ps(wv, load_tail(x + 2 * k + i, k - i), a2);
     if (nb > 3) a3 = _mm512_fmadd_ps(wv, load_tail(x + 3 * k + i, k - i), a3);
   }
-  float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                _mm512_reduce_add_ps(a3)};
+  float s[4];
+  reduce4(a0, a1, a2, a3, s);
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
+#if defined(__AVX512BF16__)
+// bf16 weights: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32 sums), half
+// the instructions of widening to fp32, so the bf16 stream stays memory-bound. x holds values
+// that were bf16 already (a bf16 model's activations), so narrowing it back is exact.
+inline __m512bh x_pairs(const float* x, int64_t n) {  // x[0..n) as 32 bf16 lanes, n <= 32
+  __m512 lo = n >= 16 ? _mm512_loadu_ps(x) : splitphase_simd::load_tail(x, n);
+  __m512 hi = n >= 32 ? _mm512_loadu_ps(x + 16)
+                      : (n > 16 ? splitphase_simd::load_tail(x + 16, n - 16) : _mm512_setzero_ps());
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+inline __m512bh w_pairs(const c10::BFloat16* w, int64_t n) {
+  __m512i raw = n >= 32 ? _mm512_loadu_si512(w)
+                        : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), w);
+  return (__m512bh)raw;
+}
+
+inline void dot_4rows1(const c10::BFloat16* w, const float* x, int64_t k, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < k; i += 32) {
+    int64_t n = std::min<int64_t>(32, k - i);
+    __m512bh xv = x_pairs(x + i, n);
+    a0 = _mm512_dpbf16_ps(a0, w_pairs(w + i, n), xv);
+    a1 = _mm512_dpbf16_ps(a1, w_pairs(w + k + i, n), xv);
+    a2 = _mm512_dpbf16_ps(a2, w_pairs(w + 2 * k + i, n), xv);
+    a3 = _mm512_dpbf16_ps(a3, w_pairs(w + 3 * k + i, n), xv);
+  }
+  reduce4(a0, a1, a2, a3, out);
+}
+
+inline void dot_rows4(const c10::BFloat16* w, const float* x, int64_t k, int nb, float* out) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
+  for (int64_t i = 0; i < k; i += 32) {  // same per-row order as dot_4rows1: batch-invariant
+    int64_t n = std::min<int64_t>(32, k - i);
+    __m512bh wv = w_pairs(w + i, n);
+    for (int b = 0; b < nb; ++b) a[b] = _mm512_dpbf16_ps(a[b], wv, x_pairs(x + b * k + i, n));
+  }
+  float s[4];
+  reduce4(a[0], a[1], a[2], a[3], s);
+  for (int b = 0; b < nb; ++b) out[b] = s[b];
+}
+#endif
 #else
 template <typename W>
 inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
