@@ -191,6 +191,8 @@ def _one_round(args: argparse.Namespace, threads: int, device: torch.device) -> 
         out[name] = {"ours": _ours_raw(model, args), "baselines": _baselines(model, args, threads)}
         del model
     out["batching"] = _batching(args.preset, args.device, args)
+    # Peaks again at the round's end: a peak caught in a busy spell would inflate fractions.
+    out["peaks"] = _best(out["peaks"], measure_peaks(cfg, args.dtypes, args.quick, device), True)
     return out
 
 
