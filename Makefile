@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test install install-dev lint data clean
+.PHONY: demo test install install-dev lint kernels bench data clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,8 +31,20 @@ lint: install-dev
 	$(BIN)/ruff check src tests bench tools
 	$(BIN)/mypy src
 
-test: lint
+# The native decode kernel (C++, built with this machine's g++; torch fallback if it fails).
+kernels: install
+	$(BIN)/python -m splitphase.kernels.build
+
+test: lint kernels
 	$(BIN)/python -m pytest
+
+# Benchmarks are not tests: llama-cpp-python compiles llama.cpp from source (minutes).
+$(VENV)/.installed-bench: $(VENV)/.installed-dev
+	$(BIN)/pip install -q gguf llama-cpp-python
+	touch $@
+
+bench: $(VENV)/.installed-bench kernels
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$(nproc)} $(BIN)/python bench/phase_limits.py
 
 data: install
 	$(BIN)/splitphase data prepare

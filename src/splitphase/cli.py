@@ -44,6 +44,12 @@ def _compare(args: argparse.Namespace) -> None:
     compare(args.targets, args.model_config, args.quick, args.out, not args.no_progress)
 
 
+def _export_gguf(args: argparse.Namespace) -> None:
+    from splitphase.commands.export import export_gguf_command
+
+    export_gguf_command(args.model, args.out, args.dtype, args.preset)
+
+
 def _generate(args: argparse.Namespace) -> None:
     from splitphase.commands.generate import generate
 
@@ -242,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
     _add_serve(sub)
+
+    ex = sub.add_parser("export-gguf", help="write a model as GGUF (llama.cpp's format)")
+    ex.add_argument("--model", default="small", help="embedded model name or checkpoint dir")
+    ex.add_argument("--preset", help="export a randomly initialised preset instead (seed 0)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16"], help="convert weights first")
+    ex.add_argument("--out", required=True, help="the .gguf file to write")
+    ex.set_defaults(func=_export_gguf)
 
     tr = sub.add_parser("train", help="pretrain a model on the prepared corpus")
     tr.add_argument("--preset", default="small")

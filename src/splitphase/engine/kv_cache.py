@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitphase.errors import UserError
+from splitphase.kernels.attention import decode_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Attention, causal_mask
 
@@ -116,16 +117,17 @@ class PaddedQueries:
     first_row: int  # these queries are rows [first_row, first_row + B) of their input
     slots: torch.Tensor  # (B, S_max) context slots, padded
     mask: torch.Tensor  # (B, 1, 1, S_max) True where a slot is real
+    lengths: torch.Tensor  # (B,) real slots per row (>= 1)
 
     def attend(
         self, attn: Attention, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
         """q (1, N, H, D) -> (1, B, H*D) for rows [first_row, first_row + B)."""
         b = self.slots.shape[0]
-        qd = q[0, self.first_row : self.first_row + b, None]  # (B, 1, H, D)
-        kd, vd = k_pool[self.slots], v_pool[self.slots]  # (B, S_max, G, D)
-        out = attn.attend(qd, kd, vd, mask=self.mask, causal=False)  # (B, 1, H*D)
-        return out.transpose(0, 1)
+        qd = q[0, self.first_row : self.first_row + b]  # (B, H, D)
+        # The pool is read in place (native kernel) or gathered once per layer (torch).
+        out = decode_attention(qd, k_pool, v_pool, self.slots, self.lengths, self.mask)
+        return out.flatten(1)[None]  # (1, B, H*D)
 
 
 class PagedAttention:

@@ -46,13 +46,13 @@ class _Layout:
 
 def _padded(contexts: list[torch.Tensor], first_row: int, device: torch.device) -> PaddedQueries:
     """One single-token query per context, padded to the longest context."""
-    s_max = max((len(c) for c in contexts), default=0)
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)
+    s_max = int(lengths.max()) if len(contexts) else 0
     slots = torch.zeros(len(contexts), s_max, dtype=torch.long)
-    mask = torch.zeros(len(contexts), 1, 1, s_max, dtype=torch.bool)
     for i, ctx in enumerate(contexts):
         slots[i, : len(ctx)] = ctx
-        mask[i, ..., : len(ctx)] = True
-    return PaddedQueries(first_row, slots.to(device), mask.to(device))
+    mask = (torch.arange(s_max) < lengths[:, None])[:, None, None]  # (B, 1, 1, S_max)
+    return PaddedQueries(first_row, slots.to(device), mask.to(device), lengths.to(device))
 
 
 class ModelRunner:

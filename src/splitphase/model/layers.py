@@ -15,7 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitphase.kernels import elementwise, skinny
 from splitphase.model.config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode-shaped calls (a few rows, no bias) take the native kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return skinny.linear(x, self.weight)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = elementwise.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -80,6 +93,9 @@ def rope_cos_sin(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x of shape (B, T, heads, D) by position; cos/sin broadcast as (B or 1, T, 1, D)."""
+    fused = elementwise.rope(x, cos, sin)
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -91,10 +107,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.q_dim, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=False, dtype=dtype)
+        self.q_proj = Linear(cfg.d_model, cfg.q_dim, bias=False, dtype=dtype)
+        self.k_proj = Linear(cfg.d_model, cfg.kv_dim, bias=False, dtype=dtype)
+        self.v_proj = Linear(cfg.d_model, cfg.kv_dim, bias=False, dtype=dtype)
+        self.o_proj = Linear(cfg.q_dim, cfg.d_model, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
 
@@ -113,11 +129,25 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values (B, T, G, D)."""
-        k = self.k_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))  # (B, T, G, D)
-        v = self.v_proj(x).unflatten(-1, (self.n_kv_heads, self.head_dim))  # (B, T, G, D)
+        k, v = skinny.linears(x, self.k_proj.weight, self.v_proj.weight)  # (B, T, G*D) each
+        return self.rotate_kv(k, v, cos, sin)
+
+    def rotate_kv(
+        self, k_flat: torch.Tensor, v_flat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reshape projected keys/values (B, T, G*D) to heads; norm (Qwen3) and rotate keys."""
+        k = k_flat.unflatten(-1, (self.n_kv_heads, self.head_dim))  # (B, T, G, D)
+        v = v_flat.unflatten(-1, (self.n_kv_heads, self.head_dim))  # (B, T, G, D)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), v
+
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q (B, T, H, D) and k, v (B, T, G, D) from one fused pass over the weights."""
+        q, k, v = skinny.linears(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        return (self.rotate_q(q, cos, sin), *self.rotate_kv(k, v, cos, sin))
 
     def attend(
         self,
@@ -129,15 +159,29 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """SDPA over q (B, T, H, D) and k/v (B, S, G, D); returns (B, T, H*D) before o_proj."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T|S, D)
-        if self.n_kv_heads != self.n_heads:
-            # Expanding K/V to the query heads is exact GQA; `enable_gqa` needs torch >= 2.5.
-            groups = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None
-        )
+        out = sdpa_gqa(q, k, v, mask, causal and mask is None)
         return out.transpose(1, 2).flatten(2)  # (B, T, H*D)
+
+
+def _sdpa_has_gqa() -> bool:
+    return "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+_SDPA_GQA = _sdpa_has_gqa()
+
+
+def sdpa_gqa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """SDPA of q (B, H, T, D) over k/v (B, G, S, D) with H a multiple of G (GQA)."""
+    if q.shape[1] != k.shape[1]:
+        if _SDPA_GQA:  # torch >= 2.5 shares each K/V head without copying it
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
+            )
+        groups = q.shape[1] // k.shape[1]  # expanding K/V to the query heads is exact GQA
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
 class SwiGLU(nn.Module):
@@ -145,13 +189,13 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False, dtype=dtype)
+        self.gate_proj = Linear(d_model, d_ff, bias=False, dtype=dtype)
+        self.up_proj = Linear(d_model, d_ff, bias=False, dtype=dtype)
+        self.down_proj = Linear(d_ff, d_model, bias=False, dtype=dtype)
 
     def intermediate(self, x: torch.Tensor) -> torch.Tensor:
-        """The gated hidden state u = silu(gate(x)) * up(x): (..., d_ff)."""
-        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+        """The gated hidden state u = silu(gate(x)) * up(x): (..., d_ff), fused in decode."""
+        return skinny.swiglu(x, self.gate_proj.weight, self.up_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.intermediate(x))

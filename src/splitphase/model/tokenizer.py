@@ -38,6 +38,11 @@ def _byte_decoder() -> dict[str, int]:
     return table
 
 
+def byte_level_chars() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: stand-in character -> byte value (256 entries)."""
+    return dict(_byte_decoder())
+
+
 class Tokenizer:
     """Encode/decode text; wraps one `tokenizers.Tokenizer` loaded from a tokenizer.json."""
 

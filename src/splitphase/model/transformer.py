@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from splitphase.kernels import skinny
+from splitphase.kernels.attention import decode_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
     Attention,
@@ -105,6 +107,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # tokens whose K/V are stored
         self._pending = 0  # tokens written by the pass in flight
+        self._decode_slots: tuple[int, torch.Tensor, torch.Tensor] | None = None  # per step
 
     @property
     def nbytes(self) -> int:
@@ -131,10 +134,27 @@ class KVCache:
         k_all, v_all = self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]  # (B, S, G, D)
         q_len = q.shape[1]
         if q_len == 1:  # one new token attends to everything before it: no mask needed
-            return attn.attend(q, k_all, v_all, mask=None, causal=False)
+            return self._decode_attend(layer_idx, attn, q, end)
         if start == 0:
             return attn.attend(q, k_all, v_all, mask=None, causal=True)
         return attn.attend(q, k_all, v_all, mask=causal_mask(q_len, end, q.device), causal=False)
+
+    def _decode_attend(
+        self, layer_idx: int, attn: Attention, q: torch.Tensor, end: int
+    ) -> torch.Tensor:
+        """One token per row over positions [0, end): the native kernel reads the cache in place."""
+        if not skinny.is_enabled() or q.device.type != "cpu":
+            k_all, v_all = self.k[layer_idx, :, :end], self.v[layer_idx, :, :end]
+            return attn.attend(q, k_all, v_all, mask=None, causal=False)
+        pool_k = self.k[layer_idx].flatten(0, 1)  # (B*T_max, G, D), row b at b*T_max
+        pool_v = self.v[layer_idx].flatten(0, 1)
+        if self._decode_slots is None or self._decode_slots[0] != end:  # once per step
+            batch, max_len = self.k.shape[1], self.k.shape[2]
+            slots = torch.arange(end)[None] + torch.arange(batch)[:, None] * max_len  # (B, S)
+            self._decode_slots = (end, slots, torch.full((batch,), end, dtype=torch.long))
+        _, slots, lengths = self._decode_slots
+        out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
+        return out.flatten(1)[:, None]  # (B, 1, H*D)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         """Read-only attention over the stored K/V, including this pass's (see the protocol)."""
@@ -173,8 +193,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        q = self.self_attn.project_q(h, cos, sin)
-        k, v = self.self_attn.project_kv(h, cos, sin)
+        q, k, v = self.self_attn.project_qkv(h, cos, sin)
         x = x + self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -238,7 +257,7 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head (tied or not): (..., D) -> (..., V)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
+        return skinny.linear(hidden, weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits (B, T, V) with no cache."""

@@ -1,0 +1,292 @@
+"""Decode against the memory's speed, prefill against the matmul peak, side by side.
+
+One run on one machine: the peaks (STREAM triad bandwidth, matmul FLOP/s at the model's
+shapes) are measured with the same thread count as everything else, then for each dtype our
+decode (batch 1 and 8 at a filled context) and prefill (512 and 2048 tokens), the same weights
+through transformers' `generate` and through llama.cpp (GGUF written by our exporter), our
+engine at 32 concurrent requests against one, and the effect of the native decode kernel.
+Figures are the best of several runs (see splitphase.perf.timing); ratios come from this
+run. Nothing here is asserted.
+
+    OMP_NUM_THREADS=2 python bench/phase_limits.py                 # base-125m, fp32 and bf16
+    python bench/phase_limits.py --quick                           # tiny preset: proves it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitphase.kernels import build, skinny
+from splitphase.model.config import ModelConfig
+from splitphase.model.transformer import Transformer
+from splitphase.perf.batching import engine_output_tok_per_s
+from splitphase.perf.hf_baseline import hf_llama, time_hf
+from splitphase.perf.llamacpp_baseline import llama_cpp_module, time_llamacpp
+from splitphase.perf.peaks import measure_peaks
+from splitphase.perf.timing import time_decode, time_prefill, time_step_overhead
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", default="base-125m")
+    ap.add_argument("--dtypes", nargs="+", default=None, help="default: float32 bfloat16 (CPU)")
+    ap.add_argument("--threads", type=int, default=None, help="default: $OMP_NUM_THREADS or all")
+    ap.add_argument("--context", type=int, default=512, help="cached tokens per decode row")
+    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--steps", type=int, default=24, help="timed decode steps per figure")
+    ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="repeat everything; best per figure")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny preset, tiny sizes")
+    ap.add_argument("--out", default="bench/results/phase_limits.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.preset, args.context, args.prefill, args.steps = "tiny", 32, [64, 128], 4
+        args.concurrent, args.rounds = 8, 1
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtypes is None:
+        args.dtypes = ["bfloat16"] if args.device == "cuda" else ["float32", "bfloat16"]
+    return args
+
+
+def _threads(requested: int | None) -> int:
+    n = requested or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or (os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _model(preset: str, dtype: str, device: str) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.from_name(preset).with_(dtype=dtype)).to(device).eval()
+
+
+def _ours_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any]:
+    """Our timings for one dtype: decode b1/b8 with native kernels on and off, prefill."""
+    out: dict[str, Any] = {}
+    for on, suffix in ((True, ""), (False, "_native_off")):
+        skinny.set_enabled(on)
+        try:
+            for batch in (1, 8):
+                d = time_decode(model, batch, args.context, args.steps)
+                out[f"decode_b{batch}{suffix}"] = {
+                    "batch": batch, "step_s": d.step_s, "bytes_per_step": d.bytes_per_step
+                }
+        finally:
+            skinny.set_enabled(True)
+    out["decode_overhead_s_b1"] = time_step_overhead(
+        model.cfg, args.context, args.steps, model.device
+    )
+    for n in args.prefill:
+        seconds, flops = time_prefill(model, n, 2 if n > 1024 else 3)
+        out[f"prefill_{n}"] = {"s": seconds, "flops": flops}
+    return out
+
+
+def _derive(raw: dict[str, Any], peaks: dict[str, float], dtype: str) -> dict[str, Any]:
+    """Adds tok/s, implied bandwidth and FLOP/s, and their fractions of the measured peaks."""
+    triad = peaks["triad_bytes_per_s"]
+    flops_peak = peaks[f"matmul_model_shapes_flops_per_s_{dtype}"]
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for key, v in out.items():
+        if key.startswith("decode_b"):
+            v["tok_per_s"] = v["batch"] / v["step_s"]
+            v["bandwidth_bytes_per_s"] = v["bytes_per_step"] / v["step_s"]
+            v["bw_fraction"] = v["bandwidth_bytes_per_s"] / triad
+        elif key.startswith("prefill_"):
+            v["flops_per_s"] = v["flops"] / v["s"]
+            v["flops_fraction"] = v["flops_per_s"] / flops_peak
+    out["decode_overhead_fraction_b1"] = out["decode_overhead_s_b1"] / out["decode_b1"]["step_s"]
+    return out
+
+
+def _best(a: Any, b: Any, larger: bool = False) -> Any:
+    """Merge two rounds: the best time (or rate, if `larger`) per figure; a stated reason
+    (a string) gives way to a measurement."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _best(a[k], b[k], larger) if k in a and k in b else a.get(k, b.get(k))
+                for k in {**a, **b}}
+    if isinstance(a, str) or a is None:
+        return b
+    if isinstance(b, str) or b is None:
+        return a
+    if isinstance(a, float) and isinstance(b, float):
+        return max(a, b) if larger else min(a, b)
+    return a  # sizes, counts: equal across rounds
+
+
+def _baselines(model: Transformer, args: argparse.Namespace, threads: int) -> dict:
+    """transformers and llama.cpp at batch-1 decode and the first prefill length."""
+    out: dict[str, Any] = {}
+    n = args.prefill[0]
+    if not args.skip_hf:
+        hf = hf_llama(model)
+        out["transformers"] = (
+            "transformers is not installed"
+            if hf is None
+            else time_hf(hf, model.cfg.vocab_size, args.context, args.steps, n, 3)
+        )
+        del hf
+    if not args.skip_llamacpp and model.device.type == "cpu":
+        with tempfile.TemporaryDirectory() as tmp:
+            out["llamacpp"] = time_llamacpp(
+                model, Path(tmp), threads, args.context, args.steps, n, 3
+            )
+    return out
+
+
+def _ratios(ours: dict, base: dict, n: int) -> dict[str, float | None]:
+    def ratio(name: str, key: str, mine: float) -> float | None:
+        other = base.get(name)
+        return other[key] / mine if isinstance(other, dict) else None
+
+    return {
+        "speedup_vs_transformers_decode_b1": ratio(
+            "transformers", "decode_step_s_b1", ours["decode_b1"]["step_s"]
+        ),
+        "speedup_vs_transformers_prefill_512": ratio(
+            "transformers", "prefill_s", ours[f"prefill_{n}"]["s"]
+        ),
+        "speedup_vs_llamacpp_decode_b1": ratio(
+            "llamacpp", "decode_step_s_b1", ours["decode_b1"]["step_s"]
+        ),
+        "speedup_vs_llamacpp_prefill_512": ratio(
+            "llamacpp", "prefill_s", ours[f"prefill_{n}"]["s"]
+        ),
+        "native_kernel_speedup_decode_b1": ours["decode_b1_native_off"]["step_s"]
+        / ours["decode_b1"]["step_s"],
+        "native_kernel_speedup_decode_b8": ours["decode_b8_native_off"]["step_s"]
+        / ours["decode_b8"]["step_s"],
+    }
+
+
+def _batching(preset: str, device: str, args: argparse.Namespace) -> dict[str, float]:
+    model = _model(preset, "float32" if device == "cpu" else "bfloat16", device)
+    prompt, output = (8, 8) if args.quick else (64, 64)
+    return {
+        "engine_tok_per_s_1": engine_output_tok_per_s(model, 1, prompt, output),
+        "engine_tok_per_s_concurrent": engine_output_tok_per_s(
+            model, args.concurrent, prompt, output
+        ),
+    }
+
+
+def _one_round(args: argparse.Namespace, threads: int, device: torch.device) -> dict[str, Any]:
+    """Every measurement once: peaks, each dtype (ours and the baselines), the engine."""
+    cfg = ModelConfig.from_name(args.preset)
+    out: dict[str, Any] = {"peaks": measure_peaks(cfg, args.dtypes, args.quick, device)}
+    for name in args.dtypes:
+        model = _model(args.preset, name, args.device)
+        out[name] = {"ours": _ours_raw(model, args), "baselines": _baselines(model, args, threads)}
+        del model
+    out["batching"] = _batching(args.preset, args.device, args)
+    # Peaks again at the round's end: a peak caught in a busy spell would inflate fractions.
+    out["peaks"] = _best(out["peaks"], measure_peaks(cfg, args.dtypes, args.quick, device), True)
+    return out
+
+
+def _summary(results: dict, primary: str) -> dict[str, Any]:
+    """The issue's headline fields, from the primary dtype (fp32 on CPU, bf16 on GPU)."""
+    r = results["dtypes"][primary]
+    n = results["prefill_lengths"][0]
+    return {
+        "primary_dtype": primary,
+        "decode_bw_fraction_b1": r["ours"]["decode_b1"]["bw_fraction"],
+        "decode_bw_fraction_b8": r["ours"]["decode_b8"]["bw_fraction"],
+        "prefill_flops_fraction_512": r["ours"][f"prefill_{n}"]["flops_fraction"],
+        **{k: v for k, v in r["ratios"].items()},
+        "continuous_batching_speedup": results["batching"]["continuous_batching_speedup"],
+    }
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _print_table(results: dict) -> None:
+    peaks = results["peaks"]
+    print(f"threads {results['threads']}, device {results['device']}, preset {results['preset']}, "
+          f"context {results['context']}, native kernel: {results['native_kernel']}")
+    print(f"triad {peaks['triad_bytes_per_s'] / 1e9:.1f} GB/s; matmul at model shapes: "
+          + ", ".join(f"{k.rsplit('_', 1)[-1]} {v / 1e9:.0f} GFLOP/s"
+                      for k, v in peaks.items() if k.startswith("matmul_model")))
+    n = results["prefill_lengths"][0]
+    head = ("dtype", "dec b1 tok/s", "b1 %BW", "dec b8 tok/s", "b8 %BW", f"pf{n} %peak",
+            "vs HF dec", f"vs HF pf{n}", "vs llama.cpp dec", "kernel x")
+    print(" | ".join(head))
+    for name, r in results["dtypes"].items():
+        o, q = r["ours"], r["ratios"]
+        print(" | ".join([
+            name,
+            f"{o['decode_b1']['tok_per_s']:.1f}",
+            f"{100 * o['decode_b1']['bw_fraction']:.0f}%",
+            f"{o['decode_b8']['tok_per_s']:.1f}",
+            f"{100 * o['decode_b8']['bw_fraction']:.0f}%",
+            f"{100 * o[f'prefill_{n}']['flops_fraction']:.0f}%",
+            _fmt(q["speedup_vs_transformers_decode_b1"]),
+            _fmt(q["speedup_vs_transformers_prefill_512"]),
+            _fmt(q["speedup_vs_llamacpp_decode_b1"]),
+            _fmt(q["native_kernel_speedup_decode_b1"]),
+        ]))
+        for key in ("transformers", "llamacpp"):
+            if isinstance(r["baselines"].get(key), str):
+                print(f"  {key}: {r['baselines'][key]}")
+    b = results["batching"]
+    print(f"engine: {b['continuous_batching_speedup']:.2f}x output tok/s at "
+          f"{results['concurrent']} concurrent vs 1")
+
+
+def main() -> None:
+    args = _args()
+    threads = _threads(args.threads)
+    device = torch.device(args.device)
+    kernel = build.status()
+    results: dict[str, Any] = {
+        "preset": args.preset, "device": args.device, "threads": threads,
+        "context": args.context, "prefill_lengths": args.prefill, "quick": args.quick,
+        "concurrent": args.concurrent, "rounds": args.rounds,
+        "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
+        "llamacpp_version": llama_cpp_module()[1],
+        "torch": torch.__version__,
+    }
+    merged: dict[str, Any] = {}
+    for _ in range(args.rounds):  # rounds interleave the systems: each gets the quiet spells
+        r = _one_round(args, threads, device)
+        merged = r if not merged else {
+            "peaks": _best(merged["peaks"], r["peaks"], larger=True),
+            "batching": _best(merged["batching"], r["batching"], larger=True),
+            **{n: _best(merged[n], r[n]) for n in args.dtypes},
+        }
+    results["peaks"] = merged["peaks"]
+    b = merged["batching"]
+    speedup = b["engine_tok_per_s_concurrent"] / b["engine_tok_per_s_1"]
+    results["batching"] = {**b, "continuous_batching_speedup": speedup}
+    results["dtypes"] = {}
+    for name in args.dtypes:
+        ours = _derive(merged[name]["ours"], results["peaks"], name)
+        base = merged[name]["baselines"]
+        results["dtypes"][name] = {
+            "ours": ours, "baselines": base, "ratios": _ratios(ours, base, args.prefill[0])
+        }
+    primary = "float32" if "float32" in args.dtypes else args.dtypes[0]
+    results.update(_summary(results, primary))
+    _print_table(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

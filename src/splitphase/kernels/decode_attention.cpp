@@ -1,0 +1,147 @@
+// Decode attention over a paged (or contiguous) KV pool: one new query token per sequence,
+// each attending to its own context through a slot list. For every (sequence, KV head) the
+// K rows and then the V rows of the context are read once, for all the query heads of that
+// group (GQA), without gathering a padded copy of the context first. Scores, softmax and the
+// weighted sum run in fp32 whatever the storage dtype (fp32 or bf16).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "pool.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPLITPHASE_AVX512 1
+#include "simd.h"
+#endif
+
+namespace {
+
+#if SPLITPHASE_AVX512
+using splitphase_simd::load16;
+using splitphase_simd::load_tail;
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  __m512 a = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a);
+  if (i < d) a = _mm512_fmadd_ps(load_tail(q + i, d - i), load_tail(k + i, d - i), a);
+  return _mm512_reduce_add_ps(a);
+}
+
+// o[:d] += w * v[:d]
+template <typename T>
+inline void axpy(float w, const T* v, float* o, int64_t d) {
+  __m512 wv = _mm512_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, load16(v + i), _mm512_loadu_ps(o + i)));
+  }
+  for (; i < d; ++i) o[i] += w * static_cast<float>(v[i]);
+}
+#else
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float w, const T* v, float* o, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) o[i] += w * static_cast<float>(v[i]);
+}
+#endif
+
+template <typename T>
+void attend_group(const float* q, const T* kp, const T* vp, const int64_t* slots, int64_t len,
+                  int64_t heads, int64_t g, int64_t n_kv, int64_t d, float scale, float* out) {
+  // q: (heads, d) for this group; kp/vp: (slots, n_kv, d); out: (heads, d).
+  std::vector<float> p(static_cast<size_t>(heads * len));
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = kp + (slots[t] * n_kv + g) * d;
+    for (int64_t h = 0; h < heads; ++h) p[h * len + t] = dot(q + h * d, k, d) * scale;
+  }
+  std::vector<float> inv(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h) {
+    float* ph = p.data() + h * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, ph[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      ph[t] = std::exp(ph[t] - m);
+      sum += ph[t];
+    }
+    inv[h] = 1.f / sum;
+  }
+  std::fill(out, out + heads * d, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = vp + (slots[t] * n_kv + g) * d;
+    for (int64_t h = 0; h < heads; ++h) axpy(p[h * len + t], v, out + h * d, d);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] *= inv[h];
+  }
+}
+
+template <typename T>
+void decode_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& slots, const at::Tensor& lengths, at::Tensor& outf) {
+  const int64_t b = qf.size(0), h = qf.size(1), d = qf.size(2), n_kv = k.size(1);
+  const int64_t group = h / n_kv, s_max = slots.size(1);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float* q = qf.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ln = lengths.data_ptr<int64_t>();
+  float* out = outf.data_ptr<float>();
+  splitphase_pool::parallel_chunks(b * n_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      int64_t row = job / n_kv, g = job % n_kv;
+      int64_t off = (row * h + g * group) * d;
+      attend_group(q + off, kp, vp, sl + row * s_max, ln[row], group, g, n_kv, d, scale,
+                   out + off);
+    }
+  });
+}
+
+// q (B, H, D); k, v (N, G, D) pools; slots (B, S) int64 (first lengths[b] used); -> (B, H, D).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& slots, const at::Tensor& lengths) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q (B,H,D), k/v (N,G,D)");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k/v pools must be contiguous");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(2) == k.size(2), "GQA shapes");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && lengths.numel() == q.size(0),
+              "slots (B, S), lengths (B,)");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "dtype");
+  auto sl = slots.contiguous();
+  auto ln = lengths.contiguous();
+  // Slot values and 1 <= lengths <= S are the caller's contract (checked once per step in
+  // Python, not once per layer here).
+  auto qf = q.to(at::kFloat).contiguous();
+  auto outf = at::empty(qf.sizes(), qf.options());
+  if (k.scalar_type() == at::kFloat) {
+    decode_impl<float>(qf, k, v, sl, ln, outf);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    decode_impl<c10::BFloat16>(qf, k, v, sl, ln, outf);
+  } else {
+    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
+  }
+  return outf.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitphase, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitphase, CPU, m) { m.impl("decode_attention", &decode_attention); }

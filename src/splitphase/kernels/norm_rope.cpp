@@ -1,0 +1,111 @@
+// RMSNorm and rotate-half RoPE as one pass each, rows shared over all intra-op threads.
+// Both reproduce the torch reference's rounding: fp32 math with the same operation order
+// (no contraction into FMAs), and for bf16 a rounding to bf16 wherever the reference's
+// bf16 tensor ops round. Each row's result depends only on that row (batch-invariant).
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "pool.h"
+
+namespace {
+
+template <typename T>
+inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) {
+  splitphase_pool::parallel_chunks(rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      T* yr = y + r * d;
+      float ss = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      for (int64_t i = 0; i < d; ++i) {
+        float n = rnd<T>(static_cast<float>(xr[i]) * inv);  // x32 * rsqrt(..) -> x.dtype
+        yr[i] = static_cast<T>(static_cast<float>(w[i]) * n);
+      }
+    }
+  });
+}
+
+// y = w * (x * rsqrt(mean(x^2) + eps)) over the last dim of x (..., D).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(-1) == w.numel(), "shapes");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and weight share a dtype");
+  auto y = at::empty_like(x);
+  int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  if (x.scalar_type() == at::kFloat) {
+    rms_rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, d,
+                    static_cast<float>(eps));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(),
+                            y.data_ptr<c10::BFloat16>(), rows, d, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16");
+  }
+  return y;
+}
+
+template <typename T>
+void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t, int64_t h,
+               int64_t d, bool per_batch) {
+  const int64_t half = d / 2;
+  splitphase_pool::parallel_chunks(b * t, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      int64_t table = (per_batch ? bt : bt % t) * d;  // cos/sin row of this position
+      for (int64_t head = 0; head < h; ++head) {
+        const T* xr = x + (bt * h + head) * d;
+        T* yr = y + (bt * h + head) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          float rot = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
+          float a = rnd<T>(static_cast<float>(xr[i]) * static_cast<float>(cs[table + i]));
+          float c = rnd<T>(rot * static_cast<float>(sn[table + i]));
+          yr[i] = static_cast<T>(a + c);
+        }
+      }
+    }
+  });
+}
+
+// x (B, T, H, D) rotated by cos/sin (B or 1, T, D): x * cos + rotate_half(x) * sin.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous(), "x (B, T, H, D) contiguous");
+  TORCH_CHECK(cos.dim() == 3 && cos.is_contiguous() && sin.is_contiguous(), "cos/sin (B|1,T,D)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == x.size(1) && cos.size(2) == x.size(3),
+              "cos/sin match x");
+  TORCH_CHECK(cos.size(0) == 1 || cos.size(0) == x.size(0), "cos batch is 1 or B");
+  TORCH_CHECK(x.size(3) % 2 == 0, "even head dim");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtype");
+  auto y = at::empty_like(x);
+  bool per_batch = cos.size(0) == x.size(0) && x.size(0) > 1;
+  if (x.scalar_type() == at::kFloat) {
+    rope_rows<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                     y.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.size(3), per_batch);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rope_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(),
+                             sin.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(),
+                             x.size(0), x.size(1), x.size(2), x.size(3), per_batch);
+  } else {
+    TORCH_CHECK(false, "rope supports float32 and bfloat16");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitphase, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+}

@@ -1,0 +1,161 @@
+// Work sharing for the decode kernels: chunks of one call are claimed by the calling thread
+// and by persistent helper threads (torch's intra-op thread count in all). Unlike an OpenMP
+// region, the caller never waits for a helper that has not started: on a shared machine a
+// helper that lost its core costs at most the one chunk it holds, where a fork-join barrier
+// waits for a whole scheduler slice. SPLITPHASE_KERNEL_THREADING=openmp selects the OpenMP
+// region instead (the same chunks, claimed by torch's OpenMP team).
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SPLITPHASE_PAUSE() _mm_pause()
+#else
+#define SPLITPHASE_PAUSE() std::this_thread::yield()
+#endif
+
+namespace splitphase_pool {
+
+// Chunks of one job are claimed with a CAS on (generation << 32 | next chunk); a helper only
+// runs a chunk of the generation it claimed in, and the caller returns once every chunk is done.
+class HelperPool {
+ public:
+  ~HelperPool() { resize(0); }
+
+  // After fork() the helpers exist only in the parent: the child forgets them (never joins)
+  // and starts its own on the next call.
+  void adopt_after_fork() {
+    if (owner_ == getpid()) return;
+    new std::vector<std::thread>(std::move(threads_));  // leaked on purpose: not joinable here
+    threads_.clear();
+    sleepers_.store(0);
+    stop_.store(false);
+    owner_ = getpid();
+  }
+
+  void run(int threads, int64_t n_chunks, const std::function<void(int64_t)>& fn) {
+    if (threads <= 1 || n_chunks <= 1) {
+      for (int64_t c = 0; c < n_chunks; ++c) fn(c);
+      return;
+    }
+    std::lock_guard<std::mutex> one_job(job_mutex_);  // callers from several threads queue
+    adopt_after_fork();
+    resize(threads - 1);
+    fn_ = &fn;
+    n_chunks_ = n_chunks;
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t gen = (state_.load() >> 32) + 1;
+    state_.store(gen << 32);
+    if (sleepers_.load() > 0) {
+      { std::lock_guard<std::mutex> lk(mutex_); }
+      cv_.notify_all();
+    }
+    work(gen);
+    while (done_.load(std::memory_order_acquire) < n_chunks) SPLITPHASE_PAUSE();
+  }
+
+ private:
+  // Claim and run chunks of generation `gen` until none is left.
+  void work(uint64_t gen) {
+    while (true) {
+      uint64_t v = state_.load(std::memory_order_acquire);
+      if ((v >> 32) != gen || static_cast<int64_t>(v & 0xffffffffu) >= n_chunks_) return;
+      if (!state_.compare_exchange_weak(v, v + 1)) continue;
+      (*fn_)(static_cast<int64_t>(v & 0xffffffffu));
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void helper_loop() {
+    uint64_t seen = state_.load() >> 32;
+    while (true) {
+      uint64_t gen = seen;
+      for (int spin = 0; spin < 20000 && gen == seen && !stop_.load(); ++spin) {
+        SPLITPHASE_PAUSE();
+        gen = state_.load(std::memory_order_acquire) >> 32;
+      }
+      if (gen == seen && !stop_.load()) {  // idle: sleep until the next job
+        std::unique_lock<std::mutex> lk(mutex_);
+        sleepers_.fetch_add(1);
+        cv_.wait(lk, [&] { return stop_.load() || (state_.load() >> 32) != seen; });
+        sleepers_.fetch_sub(1);
+        gen = state_.load() >> 32;
+      }
+      if (stop_.load()) return;
+      seen = gen;
+      work(gen);
+    }
+  }
+
+  void resize(size_t helpers) {
+    adopt_after_fork();
+    if (helpers == threads_.size()) return;
+    stop_.store(true);
+    { std::lock_guard<std::mutex> lk(mutex_); }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    stop_.store(false);
+    for (size_t i = 0; i < helpers; ++i) threads_.emplace_back([this] { helper_loop(); });
+  }
+
+  std::mutex job_mutex_, mutex_;
+  std::condition_variable cv_;
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_chunks_ = 0;
+  pid_t owner_ = getpid();
+};
+
+inline HelperPool& pool() {
+  static HelperPool p;  // one pool per process, shared by every kernel (inline: one instance)
+  return p;
+}
+
+inline bool use_openmp() {
+  static const bool openmp = [] {
+    const char* v = std::getenv("SPLITPHASE_KERNEL_THREADING");
+    return v != nullptr && std::strcmp(v, "openmp") == 0;
+  }();
+  return openmp;
+}
+
+// Calls fn(begin, end) over [0, n) in chunks of at least `grain`, on all intra-op threads.
+inline void parallel_chunks(int64_t n, int64_t grain,
+                            const std::function<void(int64_t, int64_t)>& fn) {
+  int threads = at::get_num_threads();
+  int64_t chunk = std::max<int64_t>(grain, (n + 32 * threads - 1) / (32 * threads));
+  int64_t n_chunks = (n + chunk - 1) / chunk;
+  if (threads <= 1 || n_chunks <= 1) {
+    fn(0, n);
+    return;
+  }
+  auto run = [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); };
+  if (!use_openmp()) {
+    pool().run(threads, n_chunks, run);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) run(c);
+  }
+}
+
+}  // namespace splitphase_pool

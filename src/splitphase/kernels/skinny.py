@@ -1,0 +1,78 @@
+"""Decode-shaped linear layers: the native skinny kernel for a few rows, torch otherwise.
+
+A decode step multiplies a handful of rows (one per sequence) by every weight: the cost is
+reading the weights. The native kernel reads each weight row once for all rows, on all
+intra-op threads, and fuses the projections that share an input (Q/K/V; SwiGLU's gate and
+up). Larger inputs (prefill) and anything the kernel does not cover (GPU, fp16, autograd)
+take the plain torch path, which is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splitphase.kernels import build
+
+# Rows up to which the kernel beats torch, measured on the 2-core AVX-512 machine: fp32 up to
+# the kernel's limit of 16 (torch's fp32 GEMM falls to half its batch-1 rate at 8 rows); bf16
+# only for 1-2 rows (at 4+ rows oneDNN's bf16 dot-product instructions win: the kernel widens
+# bf16 to fp32 and becomes compute-bound).
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}
+
+
+class _Switch:
+    """Process-wide on/off for the native path (benchmarks measure its effect)."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+
+_SWITCH = _Switch()
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the native decode path on or off for this process (torch fallback when off)."""
+    _SWITCH.on = on
+
+
+def is_enabled() -> bool:
+    """True when the native decode path is on and its library loaded."""
+    return _SWITCH.on and build.available()
+
+
+def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (0 < rows <= MAX_ROWS.get(x.dtype, 0) and x.device.type == "cpu"):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    if not all(w.dtype == x.dtype and w.is_contiguous() for w in weights):
+        return False
+    return is_enabled()
+
+
+def _native(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch.ops.splitphase.skinny_linear(x, weights))
+
+
+def linears(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x @ w.T for each weight (nn.Linear layout, no bias), sharing one pass over x."""
+    if not _use_kernel(x, weights):
+        return tuple(F.linear(x, w) for w in weights)
+    ys = _native(x.reshape(-1, x.shape[-1]), list(weights))
+    return tuple(y.unflatten(0, x.shape[:-1]) for y in ys)  # (..., N_j) each, contiguous
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (no bias); the native kernel for decode-shaped x."""
+    return linears(x, weight)[0]
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T); gate and up share one pass in decode.
+
+    The activation stays in torch so a fused call is bit-identical to separate projections.
+    """
+    g, u = linears(x, gate, up)
+    return F.silu(g) * u

@@ -1,0 +1,227 @@
+// Skinny matrix products for the decode phase: y = x W^T for a few rows of x (batch-1 to
+// batch-16 decode), with W in nn.Linear's (out, in) layout. Each weight row is streamed from
+// memory once per call and dotted with every row of x while it sits in L1. Output rows are
+// shared out in small chunks over all intra-op threads (pool.h), so every core pulls weight
+// bytes.
+// Several weights can share one call (fused QKV, SwiGLU's gate and up). Accumulation is fp32
+// for fp32 and bf16 weights alike, as in torch's CPU linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <functional>
+
+#include "pool.h"
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPLITPHASE_AVX512 1
+#include "simd.h"
+#endif
+
+namespace {
+
+constexpr int kMaxRows = 16;  // rows of x handled per weight-row pass
+constexpr int64_t kGrainRows = 16;
+
+#if SPLITPHASE_AVX512
+using splitphase_simd::load16;
+using splitphase_simd::load_tail;
+
+// out[0..4) = horizontal sums of a0..a3, all four at once (a transpose-and-add tree instead of
+// four serial reductions). Every path reduces through here, so a row's sum has one order.
+inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
+  __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));  // [s0 s1 s2 s3] x4
+  __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+
+// out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
+// at once (more misses in flight than one row at a time), x loaded once for all four.
+template <typename W>
+inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 xv = _mm512_loadu_ps(x + i);
+    a0 = _mm512_fmadd_ps(load16(w + i), xv, a0);
+    a1 = _mm512_fmadd_ps(load16(w + k + i), xv, a1);
+    a2 = _mm512_fmadd_ps(load16(w + 2 * k + i), xv, a2);
+    a3 = _mm512_fmadd_ps(load16(w + 3 * k + i), xv, a3);
+  }
+  if (i < k) {
+    __m512 xv = load_tail(x + i, k - i);
+    a0 = _mm512_fmadd_ps(load_tail(w + i, k - i), xv, a0);
+    a1 = _mm512_fmadd_ps(load_tail(w + k + i, k - i), xv, a1);
+    a2 = _mm512_fmadd_ps(load_tail(w + 2 * k + i, k - i), xv, a2);
+    a3 = _mm512_fmadd_ps(load_tail(w + 3 * k + i, k - i), xv, a3);
+  }
+  reduce4(a0, a1, a2, a3, out);
+}
+
+// acc[b] = dot(w, x[b]) for b < nb (nb <= 4), x rows fp32 with stride k. Every path sums a
+// (row, x-row) dot in the same order (one 16-lane accumulator, then the tail), so a row's
+// result does not depend on how many rows share the call: batch-invariant decode.
+template <typename W>
+inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 wv = load16(w + i);
+    a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), a0);
+    if (nb > 1) a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k + i), a1);
+    if (nb > 2) a2 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 2 * k + i), a2);
+    if (nb > 3) a3 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 3 * k + i), a3);
+  }
+  if (i < k) {
+    __m512 wv = load_tail(w + i, k - i);
+    a0 = _mm512_fmadd_ps(wv, load_tail(x + i, k - i), a0);
+    if (nb > 1) a1 = _mm512_fmadd_ps(wv, load_tail(x + k + i, k - i), a1);
+    if (nb > 2) a2 = _mm512_fmadd_ps(wv, load_tail(x + 2 * k + i, k - i), a2);
+    if (nb > 3) a3 = _mm512_fmadd_ps(wv, load_tail(x + 3 * k + i, k - i), a3);
+  }
+  float s[4];
+  reduce4(a0, a1, a2, a3, s);
+  for (int b = 0; b < nb; ++b) out[b] = s[b];
+}
+#if defined(__AVX512BF16__)
+// bf16 weights: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32 sums), half
+// the instructions of widening to fp32, so the bf16 stream stays memory-bound. x holds values
+// that were bf16 already (a bf16 model's activations), so narrowing it back is exact.
+inline __m512bh x_pairs(const float* x, int64_t n) {  // x[0..n) as 32 bf16 lanes, n <= 32
+  __m512 lo = n >= 16 ? _mm512_loadu_ps(x) : splitphase_simd::load_tail(x, n);
+  __m512 hi = n >= 32 ? _mm512_loadu_ps(x + 16)
+                      : (n > 16 ? splitphase_simd::load_tail(x + 16, n - 16) : _mm512_setzero_ps());
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+inline __m512bh w_pairs(const c10::BFloat16* w, int64_t n) {
+  __m512i raw = n >= 32 ? _mm512_loadu_si512(w)
+                        : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), w);
+  return (__m512bh)raw;
+}
+
+inline void dot_4rows1(const c10::BFloat16* w, const float* x, int64_t k, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < k; i += 32) {
+    int64_t n = std::min<int64_t>(32, k - i);
+    __m512bh xv = x_pairs(x + i, n);
+    a0 = _mm512_dpbf16_ps(a0, w_pairs(w + i, n), xv);
+    a1 = _mm512_dpbf16_ps(a1, w_pairs(w + k + i, n), xv);
+    a2 = _mm512_dpbf16_ps(a2, w_pairs(w + 2 * k + i, n), xv);
+    a3 = _mm512_dpbf16_ps(a3, w_pairs(w + 3 * k + i, n), xv);
+  }
+  reduce4(a0, a1, a2, a3, out);
+}
+
+inline void dot_rows4(const c10::BFloat16* w, const float* x, int64_t k, int nb, float* out) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
+  for (int64_t i = 0; i < k; i += 32) {  // same per-row order as dot_4rows1: batch-invariant
+    int64_t n = std::min<int64_t>(32, k - i);
+    __m512bh wv = w_pairs(w + i, n);
+    for (int b = 0; b < nb; ++b) a[b] = _mm512_dpbf16_ps(a[b], wv, x_pairs(x + b * k + i, n));
+  }
+  float s[4];
+  reduce4(a[0], a[1], a[2], a[3], s);
+  for (int b = 0; b < nb; ++b) out[b] = s[b];
+}
+#endif
+#else
+template <typename W>
+inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+  for (int r = 0; r < 4; ++r) {
+    float s = 0.f;
+    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[r * k + i]) * x[i];
+    out[r] = s;
+  }
+}
+
+template <typename W>
+inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+  for (int b = 0; b < nb; ++b) {
+    float s = 0.f;
+    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[i]) * x[b * k + i];
+    out[b] = s;
+  }
+}
+#endif
+
+// out[b] = dot(w, x[b]) for all b < nb (any nb <= kMaxRows).
+template <typename W>
+inline void dot_rows(const W* w, const float* x, int64_t k, int nb, float* out) {
+  for (int b = 0; b < nb; b += 4) dot_rows4(w, x + b * k, k, std::min(4, nb - b), out + b);
+}
+
+void check_inputs(const at::Tensor& x, at::TensorList ws) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "x must be (rows <= 16, in_features)");
+  TORCH_CHECK(!ws.empty(), "at least one weight");
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "weight must be (out, in_features)");
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == x.scalar_type(), "contiguous, x's dtype");
+    TORCH_CHECK(w.device().is_cpu(), "CPU tensors only");
+  }
+}
+
+template <typename T>
+void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
+  std::vector<int64_t> start(ws.size() + 1, 0);
+  std::vector<const T*> wp(ws.size());
+  std::vector<T*> yp(ws.size());
+  for (size_t j = 0; j < ws.size(); ++j) {
+    start[j + 1] = start[j] + ws[j].size(0);
+    wp[j] = ws[j].data_ptr<T>();
+    yp[j] = ys[j].data_ptr<T>();
+  }
+  // One parallel range over the rows of all weights: each thread streams its share.
+  splitphase_pool::parallel_chunks(start.back(), kGrainRows, [&](int64_t begin, int64_t end) {
+    size_t j = 0;
+    float acc[kMaxRows];
+    for (int64_t n = begin; n < end; ++n) {
+      while (n >= start[j + 1]) ++j;
+      int64_t row = n - start[j], width = start[j + 1] - start[j];
+      if (nb == 1 && n + 4 <= end && n + 4 <= start[j + 1]) {  // four rows, one x
+        dot_4rows1(wp[j] + row * k, xf, k, acc);
+        for (int r = 0; r < 4; ++r) yp[j][row + r] = static_cast<T>(acc[r]);
+        n += 3;
+        continue;
+      }
+      dot_rows(wp[j] + row * k, xf, k, nb, acc);
+      for (int b = 0; b < nb; ++b) yp[j][b * width + row] = static_cast<T>(acc[b]);
+    }
+  });
+}
+
+// [x @ w.T for w in ws]: each output (rows, out_j) contiguous, one pass over every weight.
+std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
+  check_inputs(x, ws);
+  std::vector<at::Tensor> ys;
+  for (const auto& w : ws) ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
+  auto xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  int nb = static_cast<int>(x.size(0));
+  if (x.scalar_type() == at::kFloat) {
+    linear_impl<float>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_impl<c10::BFloat16>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+  } else {
+    TORCH_CHECK(false, "skinny_linear supports float32 and bfloat16");
+  }
+  return ys;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitphase, m) {
+  m.def("skinny_linear(Tensor x, Tensor[] ws) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+}

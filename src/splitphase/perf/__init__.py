@@ -1,0 +1,1 @@
+"""Phase-limit measurement: peaks, our decode/prefill, and the baselines, side by side."""

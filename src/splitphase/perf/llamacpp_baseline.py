@@ -1,0 +1,68 @@
+"""The same weights through llama.cpp (`llama-cpp-python`), exported to GGUF by us.
+
+Decode is one `eval` of a single token after a `context`-token prompt (greedy sampling is not
+timed, as ours is not); prefill is one `eval` of the prompt into an empty context. Best of
+several runs, as ours.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from splitphase.model.gguf_export import export_gguf
+from splitphase.model.transformer import Transformer
+
+
+def llama_cpp_module() -> tuple[Any | None, str]:
+    """The `llama_cpp` module and its version, or None and why it is missing."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return None, f"llama-cpp-python is not installed ({exc}); `make bench` installs it"
+    return llama_cpp, str(getattr(llama_cpp, "__version__", "?"))
+
+
+def time_llamacpp(
+    model: Transformer,
+    workdir: Path,
+    threads: int,
+    context: int,
+    decode_tokens: int,
+    prefill_len: int,
+    repeats: int,
+) -> dict[str, float] | str:
+    """llama.cpp's decode step seconds (batch 1) and prefill seconds, or why they are missing."""
+    llama_cpp, why = llama_cpp_module()
+    if llama_cpp is None:
+        return why
+    path = export_gguf(model, None, workdir / f"{model.cfg.name}-{model.cfg.dtype}.gguf")
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=max(context + decode_tokens + 8, prefill_len + 8),
+        n_batch=max(prefill_len, context),
+        n_ubatch=max(prefill_len, context),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    vocab = model.cfg.vocab_size
+    prompt = [(i * 7919 + 13) % (vocab - 5) + 5 for i in range(max(context, prefill_len))]
+    prefills = []
+    for _ in range(repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt[:prefill_len])
+        prefills.append(time.perf_counter() - t0)
+    llm.reset()
+    llm.eval(prompt[:context])
+    steps = []
+    for i in range(decode_tokens + 2):
+        t0 = time.perf_counter()
+        llm.eval([prompt[i]])
+        steps.append(time.perf_counter() - t0)
+    return {
+        "decode_step_s_b1": min(steps[2:]),
+        "prefill_s": min(prefills),
+    }

@@ -1,0 +1,93 @@
+"""This machine's peaks, measured in the same run and thread count as the phases they judge."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from splitphase.hardware.calibrate import (
+    measure_gemm_flops_per_s,
+    measure_triad_bandwidth_bytes_per_s,
+)
+from splitphase.hardware.specs import HARDWARE
+from splitphase.model.config import ModelConfig
+from splitphase.perf.timing import best_s
+
+
+def model_matmul_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every distinct weight of a dense decoder, the LM head included."""
+    shapes = {
+        (cfg.q_dim, cfg.d_model),
+        (cfg.kv_dim, cfg.d_model),
+        (cfg.d_model, cfg.q_dim),
+        (cfg.d_ff, cfg.d_model),
+        (cfg.d_model, cfg.d_ff),
+        (cfg.vocab_size, cfg.d_model),
+    }
+    return sorted(shapes)
+
+
+def matmul_peak_flops_per_s(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    rows: int = 512,
+    repeats: int = 5,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Best torch linear FLOP/s over the model's weight shapes at `rows` tokens, in `dtype`."""
+    g = torch.Generator().manual_seed(0)
+    best, by_shape = 0.0, {}
+    for out_f, in_f in model_matmul_shapes(cfg):
+        x = torch.randn(rows, in_f, generator=g).to(device, dtype)
+        w = torch.randn(out_f, in_f, generator=g).to(device, dtype)
+        rate = 2 * rows * in_f * out_f / best_s(partial(F.linear, x, w), repeats)
+        by_shape[f"{out_f}x{in_f}"] = rate
+        best = max(best, rate)
+    return {"best": best, **by_shape}
+
+
+def datasheet_peaks(device: torch.device) -> dict[str, float]:
+    """The hardware table's bandwidth and bf16 peak for a recognised GPU (H100/H200/A100)."""
+    if device.type != "cuda":
+        return {}
+    name = torch.cuda.get_device_name(device).lower()
+    key = next((k for k in HARDWARE if k.split("-")[0] in name.replace(" ", "")), None)
+    if key is None:
+        return {}
+    spec = HARDWARE[key]
+    return {
+        "datasheet_bandwidth_bytes_per_s": spec.mem_bandwidth_bytes_per_s,
+        "datasheet_bf16_flops_per_s": spec.peak_bf16_flops_per_s,
+    }
+
+
+def triad_bytes_per_s(device: torch.device, mib_per_array: int, repeats: int) -> float:
+    """STREAM triad a = b + 3c in fp32 on `device`; 3 arrays of traffic per pass."""
+    if device.type == "cpu":
+        return measure_triad_bandwidth_bytes_per_s(mib_per_array, repeats)
+    n = mib_per_array * 2**20 // 4
+    b, c = torch.rand(n, device=device), torch.rand(n, device=device)
+    a = torch.empty_like(b)
+    return 3 * n * 4 / best_s(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+
+
+def measure_peaks(
+    cfg: ModelConfig, dtypes: list[str], quick: bool, device: torch.device
+) -> dict[str, float]:
+    """Triad bandwidth and matmul FLOP/s (model shapes; square on CPU) per dtype."""
+    mib, repeats = (32, 3) if quick else (256, 8)
+    if device.type == "cuda":
+        mib = 2048 if not quick else 256
+    rows = 64 if quick else 512
+    out = {"triad_bytes_per_s": triad_bytes_per_s(device, mib, repeats), **datasheet_peaks(device)}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        shapes = matmul_peak_flops_per_s(cfg, dtype, rows, repeats, device)
+        out[f"matmul_model_shapes_flops_per_s_{name}"] = shapes["best"]
+        if device.type == "cpu":
+            out[f"matmul_square_flops_per_s_{name}"] = measure_gemm_flops_per_s(
+                name, max_n=512 if quick else 2048, repeats=repeats
+            )
+    return out

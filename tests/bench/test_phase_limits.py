@@ -1,0 +1,55 @@
+"""bench/phase_limits.py --quick runs on the tiny preset and writes every field the issue names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRED = [
+    "decode_bw_fraction_b1",
+    "decode_bw_fraction_b8",
+    "prefill_flops_fraction_512",
+    "speedup_vs_transformers_decode_b1",
+    "speedup_vs_transformers_prefill_512",
+    "speedup_vs_llamacpp_decode_b1",
+    "continuous_batching_speedup",
+    "threads",
+]
+
+
+def test_quick_run_writes_every_field(tmp_path: Path) -> None:
+    out = tmp_path / "phase_limits.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "phase_limits.py"), "--quick", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    for key in REQUIRED:
+        assert key in data, key
+    assert data["threads"] == 1 and data["preset"] == "tiny"
+    peaks = data["peaks"]
+    assert peaks["triad_bytes_per_s"] > 0
+    assert peaks["matmul_model_shapes_flops_per_s_float32"] > 0
+    for name in ("float32", "bfloat16"):
+        ours = data["dtypes"][name]["ours"]
+        for batch in (1, 8):
+            d = ours[f"decode_b{batch}"]
+            assert d["tok_per_s"] > 0 and d["bw_fraction"] > 0
+            assert d["bandwidth_bytes_per_s"] == d["bytes_per_step"] / d["step_s"]
+        assert ours["prefill_64"]["flops_fraction"] > 0
+        assert ours["decode_overhead_fraction_b1"] > 0
+    assert data["speedup_vs_transformers_decode_b1"] > 0  # transformers is a dev dependency
+    # llama.cpp is optional (`make bench`): a ratio when installed, else a stated reason.
+    llama = data["dtypes"]["float32"]["baselines"]["llamacpp"]
+    if data["speedup_vs_llamacpp_decode_b1"] is None:
+        assert isinstance(llama, str) and "llama-cpp-python" in llama
+        assert "llamacpp: llama-cpp-python is not installed" in proc.stdout
+    else:
+        assert llama["decode_step_s_b1"] > 0
+    assert "dec b1 tok/s" in proc.stdout and f"wrote {out}" in proc.stdout

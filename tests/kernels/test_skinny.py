@@ -1,0 +1,131 @@
+"""The native decode kernel against torch's linear, and the model with it against without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitphase.kernels import build, skinny
+from splitphase.model.config import ModelConfig
+from splitphase.model.transformer import Transformer
+
+needs_kernel = pytest.mark.skipif(
+    not build.available(), reason=f"native kernel unavailable: {build.status().reason}"
+)
+
+
+@pytest.fixture
+def kernel_off():
+    skinny.set_enabled(False)
+    yield
+    skinny.set_enabled(True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("in_features", [64, 100, 768])
+def test_fp32_matches_torch_linear(rows: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    ws = [torch.randn(n, in_features, generator=g) for n in (37, 256, 5)]
+    with torch.inference_mode():
+        got = skinny.linears(x, *ws)
+    for y, w in zip(got, ws, strict=True):
+        assert y.shape == (rows, w.shape[0]) and y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2])
+def test_bf16_within_one_rounding_of_torch(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 768, generator=g).bfloat16()
+    w = (torch.randn(300, 768, generator=g) * 0.05).bfloat16()
+    with torch.inference_mode():
+        got = skinny.linear(x, w)
+    exact = x.float() @ w.float().T
+    assert got.dtype == torch.bfloat16
+    # fp32 accumulation, one bf16 rounding at the end: within one bf16 ulp (2**-7 relative).
+    torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=1e-3)
+
+
+@needs_kernel
+def test_row_results_do_not_depend_on_row_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 96, generator=g), torch.randn(50, 96, generator=g)
+    with torch.inference_mode():
+        full = skinny.linear(x, w)
+        for n in range(1, 7):
+            assert torch.equal(skinny.linear(x[:n], w), full[:n])
+
+
+@needs_kernel
+def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = torch.ops.splitphase.skinny_linear
+
+    def spy(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(x.shape[0])
+        return real(x, ws)
+
+    monkeypatch.setattr(skinny, "_native", spy)
+    w = torch.randn(8, 32)
+    with torch.inference_mode():
+        skinny.linear(torch.randn(1, 3, 32), w)
+        skinny.linear(torch.randn(17, 32), w)  # above the fp32 limit: torch
+        skinny.linear(torch.randn(4, 32).bfloat16(), w.bfloat16())  # above the bf16 limit
+        skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
+    assert calls == [3]
+
+
+def test_fallback_is_exactly_torch(kernel_off: None) -> None:
+    x, w1, w2 = torch.randn(2, 1, 40), torch.randn(12, 40), torch.randn(6, 40)
+    a, b = skinny.linears(x, w1, w2)
+    assert torch.equal(a, F.linear(x, w1)) and torch.equal(b, F.linear(x, w2))
+    assert torch.equal(skinny.swiglu(x, w1, w1), F.silu(F.linear(x, w1)) * F.linear(x, w1))
+
+
+def test_autograd_takes_torch_path() -> None:
+    w = torch.randn(4, 8, requires_grad=True)
+    skinny.linear(torch.randn(1, 8), w).sum().backward()
+    assert w.grad is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_decode_matches_reference_path(dtype: str) -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("tiny").with_(dtype=dtype)).eval()
+    prompt = list(range(3, 40))
+    fast = model.generate(prompt, 24)
+    ids = torch.tensor([prompt, prompt[::-1]])
+    logits_fast, cache = model.prefill(ids)
+    steps_fast = [model.decode_step(ids[:, i], cache) for i in range(4)]
+    skinny.set_enabled(False)
+    try:
+        ref = model.generate(prompt, 24)
+        logits_ref, cache = model.prefill(ids)
+        steps_ref = [model.decode_step(ids[:, i], cache) for i in range(4)]
+    finally:
+        skinny.set_enabled(True)
+    assert fast == ref
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(logits_fast, logits_ref, atol=tol, rtol=tol)
+    for a, b in zip(steps_fast, steps_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_a_forked_child_runs_the_kernel_with_its_own_helpers() -> None:
+    import os
+
+    x, w = torch.randn(3, 256), torch.randn(4096, 256)
+    with torch.inference_mode():
+        expected = skinny.linear(x, w)  # the parent's helpers exist now
+        pid = os.fork()
+        if pid == 0:  # child: must neither hang nor crash, and must agree
+            ok = torch.equal(skinny.linear(x, w), expected)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
