@@ -147,24 +147,28 @@ class BlockManager:
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
         """True if the table can grow to hold num_computed_tokens + num_new_tokens positions."""
-        return self._num_to_append(request, num_new_tokens) <= self.num_free_blocks
+        # Called for every decoding request every step: the pool size is read inline.
+        need = self._num_to_append(request, num_new_tokens)
+        return need <= 0 or need <= len(self._free_plain) + len(self._free_cached)
 
     def append_slots(self, request: Request, num_new_tokens: int) -> None:
         """Grow the table to hold num_computed_tokens + num_new_tokens positions.
 
         Also registers the prefix hashes of blocks that became full and computed.
         """
-        self.cache_computed_blocks(request)
+        if self.enable_prefix_caching:
+            self.cache_computed_blocks(request)
         need = self._num_to_append(request, num_new_tokens)
+        if need <= 0:
+            return  # the common decode step: the last block still has a free slot
         if need > self.num_free_blocks:
             raise BlockManagerError(
                 f"cannot append {need} blocks for {request.request_id!r}:"
                 f" {self.num_free_blocks} free; check can_append() first"
             )
-        if need > 0:
-            table = self._tables[request.request_id]
-            table.extend(self._pop_free() for _ in range(need))
-            request.block_table = list(table)
+        table = self._tables[request.request_id]
+        table.extend(self._pop_free() for _ in range(need))
+        request.block_table = list(table)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register hashes of the request's full blocks whose tokens are all computed."""
@@ -288,10 +292,14 @@ class BlockManager:
         return self.blocks_needed(request.num_tokens) - referenced
 
     def _num_to_append(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks the table lacks for the new tokens (<= 0: it has room already)."""
         if num_new_tokens < 0:
             raise BlockManagerError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        table = self._table(request.request_id)
-        return max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table))
+        table = self._tables.get(request.request_id)
+        if table is None:
+            raise BlockManagerError(f"request {request.request_id!r} holds no blocks")
+        # -(-a // b): ceil(a / b) in integers, as blocks_needed computes it (inlined: hot path).
+        return -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
 
     def _num_fork_blocks(self, parent: Request, copy_partial: bool) -> int:
         table = self._table(parent.request_id)

@@ -150,9 +150,10 @@ class StepPlan:
 
 def schedule_decodes(host: PolicyHost, plan: StepPlan) -> None:
     """One token per running request past its prefill; preempt the youngest when out of blocks."""
-    bm = host.block_manager
+    bm, running = host.block_manager, RequestStatus.RUNNING
     for request in list(host.running):
-        if request.status is not RequestStatus.RUNNING or request.is_prefilling:
+        # Once per running request per step: is_prefilling's comparison is inlined.
+        if request.status is not running or request.num_computed_tokens < request.prefill_len:
             continue  # preempted earlier in this loop, or still in its prompt
         if plan.token_budget < 1:
             break  # cannot happen while max_num_batched_tokens >= max_num_seqs (validated)
@@ -287,13 +288,10 @@ def build_output(
             )
         )
     decodes = tuple(
-        ScheduledDecode(
-            r.request_id,
-            r.num_tokens,
-            r.get_token_ids(r.num_tokens - 1, r.num_tokens)[0],
-            tuple(r.block_table),
-        )
-        for r in plan.decodes
+        [
+            ScheduledDecode(r.request_id, r.num_tokens, r.last_token_id, tuple(r.block_table))
+            for r in plan.decodes
+        ]
     )
     loads = tuple(
         ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, tuple(r.block_table))
