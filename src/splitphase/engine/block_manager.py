@@ -156,19 +156,25 @@ class BlockManager:
 
         Also registers the prefix hashes of blocks that became full and computed.
         """
+        if not self.try_append_slots(request, num_new_tokens):
+            raise BlockManagerError(
+                f"cannot append {self._num_to_append(request, num_new_tokens)} blocks for"
+                f" {request.request_id!r}: {self.num_free_blocks} free; check can_append() first"
+            )
+
+    def try_append_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """`append_slots` if `can_append` holds (True), else change nothing (False)."""
+        # One check instead of can_append's and append_slots' two: it runs per decode per step.
+        need = self._num_to_append(request, num_new_tokens)
+        if need > 0 and need > len(self._free_plain) + len(self._free_cached):
+            return False
         if self.enable_prefix_caching:
             self.cache_computed_blocks(request)
-        need = self._num_to_append(request, num_new_tokens)
-        if need <= 0:
-            return  # the common decode step: the last block still has a free slot
-        if need > self.num_free_blocks:
-            raise BlockManagerError(
-                f"cannot append {need} blocks for {request.request_id!r}:"
-                f" {self.num_free_blocks} free; check can_append() first"
-            )
-        table = self._tables[request.request_id]
-        table.extend(self._pop_free() for _ in range(need))
-        request.block_table = list(table)
+        if need > 0:  # else the common decode step: the last block still has a free slot
+            table = self._tables[request.request_id]
+            table.extend(self._pop_free() for _ in range(need))
+            request.block_table = list(table)
+        return True
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register hashes of the request's full blocks whose tokens are all computed."""
