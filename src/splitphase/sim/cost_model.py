@@ -212,10 +212,16 @@ class CostModel:
         share = pre_s / (pre_s + dec_s) if pre_s + dec_s > 0 else 0.0
         return StepTime(total, share)
 
+    @cached_property
+    def _tp_link(self) -> LinkSpec | None:
+        return self._link()
+
     def allreduce_s(self, num_tokens: int) -> float:
         """Two ring all-reduces of the hidden states per layer (Megatron-style TP)."""
-        link = self._link()
-        if self.tp == 1 or link is None or num_tokens == 0:
+        if self.tp == 1 or num_tokens == 0:
+            return 0.0
+        link = self._tp_link
+        if link is None:
             return 0.0
         size = num_tokens * self.model.d_model * self.dtype_bytes
         one = 2 * (self.tp - 1) / self.tp * size / link.bytes_per_s + link.latency_s
