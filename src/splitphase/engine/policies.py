@@ -189,8 +189,11 @@ def _youngest_unscheduled(host: PolicyHost, plan: StepPlan) -> Request:
 
 def schedule_prefill_chunks(host: PolicyHost, plan: StepPlan) -> None:
     """Continue prompts admitted in earlier steps, oldest first, within the budget."""
-    for request in host.running:
-        if request.is_prefilling and request.request_id not in plan.scheduled:
+    for request in host.running:  # is_prefilling inlined: this visits every running request
+        if (
+            request.num_computed_tokens < request.prefill_len
+            and request.request_id not in plan.scheduled
+        ):
             n = plan.chunk_size(request)
             if n <= 0:
                 break
@@ -305,10 +308,12 @@ def build_output(
         ]
     )
     loads = tuple(
-        ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, tuple(r.block_table))
-        for r, s in plan.kv_loads
+        [
+            ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, tuple(r.block_table))
+            for r, s in plan.kv_loads
+        ]
     )
-    preempted = tuple(r.request_id for r in plan.preempted)
+    preempted = tuple([r.request_id for r in plan.preempted])
     return SchedulerOutput(
         step_id, tuple(chunks), decodes, preempted, block_copies, loads, block_size
     )

@@ -173,12 +173,14 @@ class Scheduler:
         cfg = self.config
         plan = StepPlan(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold)
         self._plan(self, plan)
-        copies = tuple(
-            (src, dst)
-            for child, src, dst in self._pending_copies
-            if child.status is RequestStatus.RUNNING and dst in child.block_table
-        )
-        self._pending_copies.clear()
+        copies: tuple[tuple[int, int], ...] = ()
+        if self._pending_copies:  # only after an n > 1 fork
+            copies = tuple(
+                (src, dst)
+                for child, src, dst in self._pending_copies
+                if child.status is RequestStatus.RUNNING and dst in child.block_table
+            )
+            self._pending_copies.clear()
         out = policies.build_output(plan, self._step_id, cfg.block_size, now_s, copies)
         if out.num_seqs:
             scheduled = {r.request_id: r for r, _ in plan.chunks}
