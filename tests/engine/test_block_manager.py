@@ -361,3 +361,20 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=30, deadline=None
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_block_table_snapshot_is_shared_until_the_table_changes() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    r = Request("a", [1, 2, 3, 4])
+    bm.allocate(r)
+    first = bm.block_table("a")
+    assert first == tuple(r.block_table) and bm.block_table("a") is first  # no copy per step
+    r.num_computed_tokens = 4
+    bm.append_slots(r, 1)  # a fifth position: a second block
+    assert bm.block_table("a") == tuple(r.block_table) and len(bm.block_table("a")) == 2
+    bm.free(r)
+    with pytest.raises(BlockManagerError, match="holds no blocks"):
+        bm.block_table("a")
+    bm.allocate(Request("a", [1]))  # the id again, a fresh table
+    assert len(bm.block_table("a")) == 1
+    bm.check_invariants()

@@ -65,6 +65,9 @@ class BlockManager:
         self._hash_of: dict[int, BlockHash] = {}  # block id -> hash, for cached blocks
         self._block_of: dict[BlockHash, int] = {}  # hash -> block id
         self._tables: dict[str, list[int]] = {}
+        # Tuple copies of tables handed out by block_table(), dropped whenever a table changes:
+        # every step snapshots every scheduled request's table, and most tables did not change.
+        self._snapshots: dict[str, tuple[int, ...]] = {}
         # Hash chain of each request's computed full blocks (the parent of its next block).
         self._chains: dict[str, list[BlockHash]] = {}
 
@@ -98,8 +101,11 @@ class BlockManager:
         return request_id in self._tables
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
-        """A copy of the request's block table."""
-        return tuple(self._table(request_id))
+        """A copy of the request's block table (immutable, so shared until the table changes)."""
+        snapshot = self._snapshots.get(request_id)
+        if snapshot is None:
+            snapshot = self._snapshots[request_id] = tuple(self._table(request_id))
+        return snapshot
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` token positions."""
@@ -140,6 +146,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(request.num_tokens) - len(hits)):
             table.append(self._pop_free())
         self._tables[rid] = table
+        self._snapshots.pop(rid, None)
         if self.enable_prefix_caching:
             self._chains[rid] = [h for _, h in hits]
         request.block_table = list(table)
@@ -173,6 +180,7 @@ class BlockManager:
         if need > 0:  # else the common decode step: the last block still has a free slot
             table = self._tables[request.request_id]
             table.extend(self._pop_free() for _ in range(need))
+            self._snapshots.pop(request.request_id, None)
             request.block_table = list(table)
         return True
 
@@ -203,6 +211,7 @@ class BlockManager:
         """
         rid = request if isinstance(request, str) else request.request_id
         table = self._tables.pop(rid, None)
+        self._snapshots.pop(rid, None)
         if table is None:
             raise BlockManagerError(f"request {rid!r} holds no blocks (double free?)")
         self._chains.pop(rid, None)
@@ -252,6 +261,7 @@ class BlockManager:
             if i * self.block_size < n:  # the block holds computed slots to carry over
                 copies.append((ptable[i], dst))
         self._tables[cid] = table
+        self._snapshots.pop(cid, None)
         if self.enable_prefix_caching:
             self._chains[cid] = self._chains[pid][: min(num_shared, n // self.block_size)]
         child.block_table = list(table)

@@ -279,11 +279,14 @@ def plan_decode_worker(host: PolicyHost, plan: StepPlan) -> None:
 def build_output(
     plan: StepPlan,
     step_id: int,
-    block_size: int,
+    bm: BlockManager,
     now_s: float,
     block_copies: tuple[tuple[int, int], ...],
 ) -> SchedulerOutput:
     """Freeze a plan into the runner's contract, snapshotting tokens and block tables."""
+    # bm.block_table(id) equals tuple(request.block_table) (the manager keeps the request's copy
+    # in step) and is cached until the table changes: no per-step copy of every table.
+    table = bm.block_table
     chunks = []
     for req, n in plan.chunks:
         req.record_scheduled(now_s)
@@ -298,24 +301,24 @@ def build_output(
                 last,
                 samples,
                 tuple(req.get_token_ids(start, start + n)),
-                tuple(req.block_table),
+                table(req.request_id),
             )
         )
     decodes = tuple(
         [
-            ScheduledDecode(r.request_id, r.num_tokens, r.last_token_id, tuple(r.block_table))
+            ScheduledDecode(r.request_id, r.num_tokens, r.last_token_id, table(r.request_id))
             for r in plan.decodes
         ]
     )
     loads = tuple(
         [
-            ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, tuple(r.block_table))
+            ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, table(r.request_id))
             for r, s in plan.kv_loads
         ]
     )
     preempted = tuple([r.request_id for r in plan.preempted])
     return SchedulerOutput(
-        step_id, tuple(chunks), decodes, preempted, block_copies, loads, block_size
+        step_id, tuple(chunks), decodes, preempted, block_copies, loads, bm.block_size
     )
 
 

@@ -181,7 +181,7 @@ class Scheduler:
                 if child.status is RequestStatus.RUNNING and dst in child.block_table
             )
             self._pending_copies.clear()
-        out = policies.build_output(plan, self._step_id, cfg.block_size, now_s, copies)
+        out = policies.build_output(plan, self._step_id, self.block_manager, now_s, copies)
         if out.num_seqs:
             scheduled = {r.request_id: r for r, _ in plan.chunks}
             scheduled.update({r.request_id: r for r in plan.decodes})
