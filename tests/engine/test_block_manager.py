@@ -166,6 +166,20 @@ def test_append_slots_grows_on_block_boundaries() -> None:
     bm.check_invariants()
 
 
+def test_try_append_slots_appends_exactly_when_can_append_holds() -> None:
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    r = Request("a", [1, 2, 3, 4, 5])
+    bm.allocate(r)
+    r.num_computed_tokens = 5  # computed, hashes not yet registered
+    assert not bm.try_append_slots(r, 9)  # 5 + 9 tokens need a 4th block: nothing changes
+    assert len(r.block_table) == 2 and bm.num_free_blocks == 1 and bm.num_cached_blocks == 0
+    assert bm.try_append_slots(r, 3)  # fits the 2 blocks held: no new block, hash registered
+    assert len(r.block_table) == 2 and bm.num_free_blocks == 1 and bm.num_cached_blocks == 1
+    assert bm.try_append_slots(r, 4)  # 9 positions: the third block
+    assert len(r.block_table) == 3 and bm.num_free_blocks == 0
+    bm.check_invariants()
+
+
 def test_slot_mapping() -> None:
     bm = BlockManager(num_blocks=8, block_size=BS)
     bm.allocate(Request("x", [0] * 4))  # take block 0 so "a" gets others
@@ -347,3 +361,20 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=30, deadline=None
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_block_table_snapshot_is_shared_until_the_table_changes() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    r = Request("a", [1, 2, 3, 4])
+    bm.allocate(r)
+    first = bm.block_table("a")
+    assert first == tuple(r.block_table) and bm.block_table("a") is first  # no copy per step
+    r.num_computed_tokens = 4
+    bm.append_slots(r, 1)  # a fifth position: a second block
+    assert bm.block_table("a") == tuple(r.block_table) and len(bm.block_table("a")) == 2
+    bm.free(r)
+    with pytest.raises(BlockManagerError, match="holds no blocks"):
+        bm.block_table("a")
+    bm.allocate(Request("a", [1]))  # the id again, a fresh table
+    assert len(bm.block_table("a")) == 1
+    bm.check_invariants()

@@ -65,6 +65,9 @@ class BlockManager:
         self._hash_of: dict[int, BlockHash] = {}  # block id -> hash, for cached blocks
         self._block_of: dict[BlockHash, int] = {}  # hash -> block id
         self._tables: dict[str, list[int]] = {}
+        # Tuple copies of tables handed out by block_table(), dropped whenever a table changes:
+        # every step snapshots every scheduled request's table, and most tables did not change.
+        self._snapshots: dict[str, tuple[int, ...]] = {}
         # Hash chain of each request's computed full blocks (the parent of its next block).
         self._chains: dict[str, list[BlockHash]] = {}
 
@@ -98,8 +101,11 @@ class BlockManager:
         return request_id in self._tables
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
-        """A copy of the request's block table."""
-        return tuple(self._table(request_id))
+        """A copy of the request's block table (immutable, so shared until the table changes)."""
+        snapshot = self._snapshots.get(request_id)
+        if snapshot is None:
+            snapshot = self._snapshots[request_id] = tuple(self._table(request_id))
+        return snapshot
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` token positions."""
@@ -140,6 +146,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(request.num_tokens) - len(hits)):
             table.append(self._pop_free())
         self._tables[rid] = table
+        self._snapshots.pop(rid, None)
         if self.enable_prefix_caching:
             self._chains[rid] = [h for _, h in hits]
         request.block_table = list(table)
@@ -147,24 +154,35 @@ class BlockManager:
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
         """True if the table can grow to hold num_computed_tokens + num_new_tokens positions."""
-        return self._num_to_append(request, num_new_tokens) <= self.num_free_blocks
+        # Called for every decoding request every step: the pool size is read inline.
+        need = self._num_to_append(request, num_new_tokens)
+        return need <= 0 or need <= len(self._free_plain) + len(self._free_cached)
 
     def append_slots(self, request: Request, num_new_tokens: int) -> None:
         """Grow the table to hold num_computed_tokens + num_new_tokens positions.
 
         Also registers the prefix hashes of blocks that became full and computed.
         """
-        self.cache_computed_blocks(request)
-        need = self._num_to_append(request, num_new_tokens)
-        if need > self.num_free_blocks:
+        if not self.try_append_slots(request, num_new_tokens):
             raise BlockManagerError(
-                f"cannot append {need} blocks for {request.request_id!r}:"
-                f" {self.num_free_blocks} free; check can_append() first"
+                f"cannot append {self._num_to_append(request, num_new_tokens)} blocks for"
+                f" {request.request_id!r}: {self.num_free_blocks} free; check can_append() first"
             )
-        if need > 0:
+
+    def try_append_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """`append_slots` if `can_append` holds (True), else change nothing (False)."""
+        # One check instead of can_append's and append_slots' two: it runs per decode per step.
+        need = self._num_to_append(request, num_new_tokens)
+        if need > 0 and need > len(self._free_plain) + len(self._free_cached):
+            return False
+        if self.enable_prefix_caching:
+            self.cache_computed_blocks(request)
+        if need > 0:  # else the common decode step: the last block still has a free slot
             table = self._tables[request.request_id]
             table.extend(self._pop_free() for _ in range(need))
+            self._snapshots.pop(request.request_id, None)
             request.block_table = list(table)
+        return True
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register hashes of the request's full blocks whose tokens are all computed."""
@@ -193,6 +211,7 @@ class BlockManager:
         """
         rid = request if isinstance(request, str) else request.request_id
         table = self._tables.pop(rid, None)
+        self._snapshots.pop(rid, None)
         if table is None:
             raise BlockManagerError(f"request {rid!r} holds no blocks (double free?)")
         self._chains.pop(rid, None)
@@ -242,6 +261,7 @@ class BlockManager:
             if i * self.block_size < n:  # the block holds computed slots to carry over
                 copies.append((ptable[i], dst))
         self._tables[cid] = table
+        self._snapshots.pop(cid, None)
         if self.enable_prefix_caching:
             self._chains[cid] = self._chains[pid][: min(num_shared, n // self.block_size)]
         child.block_table = list(table)
@@ -288,10 +308,14 @@ class BlockManager:
         return self.blocks_needed(request.num_tokens) - referenced
 
     def _num_to_append(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks the table lacks for the new tokens (<= 0: it has room already)."""
         if num_new_tokens < 0:
             raise BlockManagerError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        table = self._table(request.request_id)
-        return max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table))
+        table = self._tables.get(request.request_id)
+        if table is None:
+            raise BlockManagerError(f"request {request.request_id!r} holds no blocks")
+        # -(-a // b): ceil(a / b) in integers, as blocks_needed computes it (inlined: hot path).
+        return -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
 
     def _num_fork_blocks(self, parent: Request, copy_partial: bool) -> int:
         table = self._table(parent.request_id)

@@ -47,6 +47,9 @@ _FINISH_REASONS = {
 }
 
 
+_isfinite = math.isfinite
+
+
 def _is_token_id(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
@@ -142,6 +145,11 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
+    def last_token_id(self) -> int:
+        """The token at position num_tokens - 1 (the one a decode step feeds)."""
+        return (self.output_token_ids or self.prompt_token_ids)[-1]
+
+    @property
     def is_prefilling(self) -> bool:
         """True while the current (re)prefill has tokens left to compute."""
         return self.num_computed_tokens < self.prefill_len
@@ -160,9 +168,12 @@ class Request:
 
     def append_output_token(self, token_id: int, now_s: float) -> None:
         """Append one sampled token produced at `now_s`."""
-        if not _is_token_id(token_id):
+        # Once per generated token: exact int/float types take the quick checks (a bool's type
+        # is bool, so it still goes to the full check and is refused there).
+        if (type(token_id) is not int or token_id < 0) and not _is_token_id(token_id):
             raise RequestError(f"sampled token id must be an integer >= 0, got {token_id!r}")
-        _check_time("now_s", now_s)
+        if type(now_s) is not float or not _isfinite(now_s):
+            _check_time("now_s", now_s)
         self.output_token_ids.append(token_id)
         self.token_times_s.append(now_s)
         if self.first_token_s is None:

@@ -173,16 +173,18 @@ class Scheduler:
         cfg = self.config
         plan = StepPlan(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold)
         self._plan(self, plan)
-        copies = tuple(
-            (src, dst)
-            for child, src, dst in self._pending_copies
-            if child.status is RequestStatus.RUNNING and dst in child.block_table
-        )
-        self._pending_copies.clear()
-        out = policies.build_output(plan, self._step_id, cfg.block_size, now_s, copies)
+        copies: tuple[tuple[int, int], ...] = ()
+        if self._pending_copies:  # only after an n > 1 fork
+            copies = tuple(
+                (src, dst)
+                for child, src, dst in self._pending_copies
+                if child.status is RequestStatus.RUNNING and dst in child.block_table
+            )
+            self._pending_copies.clear()
+        out = policies.build_output(plan, self._step_id, self.block_manager, now_s, copies)
         if out.num_seqs:
             scheduled = {r.request_id: r for r, _ in plan.chunks}
-            scheduled.update((r.request_id, r) for r in plan.decodes)
+            scheduled.update({r.request_id: r for r in plan.decodes})
             self._in_flight = (self._step_id, scheduled)
         self._step_id += 1
         return out
@@ -223,15 +225,40 @@ class Scheduler:
             if self.config.role == "prefill" and req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
                 self._handoff_ready.append(req)
-        for dec in output.decode:
-            req = scheduled[dec.request_id]
-            if req.status is not RequestStatus.RUNNING:
+        self._apply_decodes(
+            output.decode, scheduled, sampled_token_ids, now_s, stop_checker, finished
+        )
+        return finished
+
+    def _apply_decodes(
+        self,
+        decodes: Sequence[ScheduledDecode],
+        scheduled: Mapping[str, Request],
+        sampled_token_ids: Mapping[str, Sequence[int]],
+        now_s: float,
+        stop_checker: StopChecker | None,
+        finished: list[Request],
+    ) -> None:
+        # The per-token loop of every step: _sampled's and _on_token's work is inlined.
+        bm, running = self.block_manager, RequestStatus.RUNNING
+        caching = bm.enable_prefix_caching
+        for dec in decodes:
+            rid = dec.request_id
+            req = scheduled[rid]
+            if req.status is not running:
                 continue
             req.num_computed_tokens += 1
-            self.block_manager.cache_computed_blocks(req)
-            tokens = self._sampled(sampled_token_ids, dec.request_id, 1)
-            self._on_token(req, tokens[0], now_s, stop_checker, finished)
-        return finished
+            if caching:
+                bm.cache_computed_blocks(req)
+            tokens = sampled_token_ids.get(rid)
+            if tokens is None or len(tokens) != 1:
+                self._sampled(sampled_token_ids, rid, 1)  # raises, naming what is missing
+                continue
+            req.append_output_token(tokens[0], now_s)
+            status = self._check_stop(req, stop_checker)
+            if status is not None:
+                self._finish(req, status, now_s)
+                finished.append(req)
 
     def _sampled(self, sampled: Mapping[str, Sequence[int]], rid: str, n: int) -> Sequence[int]:
         tokens = sampled.get(rid)
@@ -256,13 +283,18 @@ class Scheduler:
 
     def _check_stop(self, req: Request, stop_checker: StopChecker | None) -> RequestStatus | None:
         # Stop conditions win over length: a final eos reads as "stop", as OpenAI reports it.
-        sp, token_id = req.sampling_params, req.output_token_ids[-1]
-        eos = req.eos_token_id if req.eos_token_id is not None else self.config.eos_token_id
-        if (not sp.ignore_eos and token_id == eos) or token_id in sp.stop_token_ids:
+        sp, outputs = req.sampling_params, req.output_token_ids
+        token_id = outputs[-1]
+        if not sp.ignore_eos:
+            eos = req.eos_token_id if req.eos_token_id is not None else self.config.eos_token_id
+            if token_id == eos:
+                return RequestStatus.FINISHED_STOPPED
+        if token_id in sp.stop_token_ids or (stop_checker is not None and stop_checker(req)):
             return RequestStatus.FINISHED_STOPPED
-        if stop_checker is not None and stop_checker(req):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        num_outputs = len(outputs)  # num_output_tokens and num_tokens, read once per token
+        if num_outputs >= sp.max_tokens or len(req.prompt_token_ids) + num_outputs >= (
+            self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

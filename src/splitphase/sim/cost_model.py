@@ -20,13 +20,16 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from operator import attrgetter
 from pathlib import Path
 
-from splitphase.audit.flops import attention_cost, kv_bytes_per_token, param_count, step_cost
+from splitphase.audit.flops import kv_bytes_per_token, param_count
 from splitphase.engine.policies import SchedulerOutput
 from splitphase.errors import UserError
 from splitphase.hardware.specs import HardwareSpec, LinkSpec
 from splitphase.model.config import ModelConfig
+from splitphase.sim.step_work import DenseStepWork, StepWork, step_work
 
 # Typical values for a tuned engine on datacenter GPUs, used when nothing was measured:
 # prefill reaches about half of the dense bf16 peak (MFU 40-60% in the Sarathi-Serve and
@@ -41,6 +44,8 @@ DEFAULT_FLOPS_FRACTION = 0.5
 DEFAULT_BANDWIDTH_FRACTION = 0.6
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 DEFAULT_MEMORY_FRACTION = 0.9  # of device memory usable for weights + KV (vLLM's default)
+
+_context_len = attrgetter("context_len")
 
 
 class CostModelError(UserError):
@@ -167,36 +172,56 @@ class CostModel:
     def step_time(self, chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]
                   ) -> StepTime:
         """Time of a step with prefill chunks (new, before) and decodes (cached lengths)."""
-        cost = step_cost(self.model, chunks, decode_context_lens, self.dtype_bytes)
-        attn = attention_cost(self.model, chunks, decode_context_lens, self.dtype_bytes)
+        return self._time_of(step_work(self.model, chunks, decode_context_lens, self.dtype_bytes))
+
+    def step_time_of(self, out: SchedulerOutput) -> StepTime:
+        """Time of one scheduled step (equal to `step_time` of its chunks and decodes)."""
+        chunks = [(c.num_tokens, c.start) for c in out.prefill]
+        if self._dense is None:
+            return self.step_time(chunks, [d.context_len - 1 for d in out.decode])
+        num_decodes = len(out.decode)
+        cached = sum(map(_context_len, out.decode)) - num_decodes
+        return self._time_of(self._dense.work(chunks, num_decodes, cached))
+
+    @cached_property
+    def _dense(self) -> DenseStepWork | None:
+        """The closed-form FLOP/byte counter when the model is dense (the common case)."""
+        cfg = self.model
+        return None if cfg.is_moe or cfg.is_dual_flow else DenseStepWork(cfg, self.dtype_bytes)
+
+    @cached_property
+    def _rates(self) -> tuple[float, float, float]:
+        """FLOP/s, weight bytes/s and KV bytes/s this replica reaches (efficiency applied)."""
         eff, hw, tp = self.efficiency, self.hardware, self.tp
         flops_rate = tp * hw.peak_flops_per_s(self.dtype) * eff.flops_fraction
         bytes_rate = tp * hw.mem_bandwidth_bytes_per_s * eff.bandwidth_fraction
-        rows = cost.num_prefill_tokens + cost.num_decode_tokens
-        gemm_rate = flops_rate * rows / (rows + eff.gemm_half_tokens) if rows else flops_rate
-        dense_s = max((cost.flops - attn.flops) / gemm_rate, (cost.bytes - attn.bytes) / bytes_rate)
         kv_frac = eff.kv_bandwidth_fraction or eff.bandwidth_fraction
-        kv_rate = tp * hw.mem_bandwidth_bytes_per_s * kv_frac
-        roof_s = dense_s + max(attn.flops / flops_rate, attn.bytes / kv_rate)
-        seqs = len(chunks) + len(decode_context_lens)
-        total = eff.step_overhead_s + eff.per_seq_overhead_s * seqs + roof_s
-        total += self.allreduce_s(cost.num_prefill_tokens + cost.num_decode_tokens)
-        pre_s = max(cost.prefill.flops / flops_rate, cost.prefill.bytes / bytes_rate)
-        dec_s = max(cost.decode.flops / flops_rate, cost.decode.bytes / bytes_rate)
+        return flops_rate, bytes_rate, tp * hw.mem_bandwidth_bytes_per_s * kv_frac
+
+    def _time_of(self, w: StepWork) -> StepTime:
+        eff = self.efficiency
+        flops_rate, bytes_rate, kv_rate = self._rates
+        rows = w.num_tokens
+        gemm_rate = flops_rate * rows / (rows + eff.gemm_half_tokens) if rows else flops_rate
+        dense_s = max((w.flops - w.attn_flops) / gemm_rate, (w.bytes - w.attn_bytes) / bytes_rate)
+        roof_s = dense_s + max(w.attn_flops / flops_rate, w.attn_bytes / kv_rate)
+        total = eff.step_overhead_s + eff.per_seq_overhead_s * w.num_seqs + roof_s
+        total += self.allreduce_s(rows)
+        pre_s = max(w.prefill_flops / flops_rate, w.prefill_bytes / bytes_rate)
+        dec_s = max(w.decode_flops / flops_rate, w.decode_bytes / bytes_rate)
         share = pre_s / (pre_s + dec_s) if pre_s + dec_s > 0 else 0.0
         return StepTime(total, share)
 
-    def step_time_of(self, out: SchedulerOutput) -> StepTime:
-        """Time of one scheduled step."""
-        return self.step_time(
-            [(c.num_tokens, c.start) for c in out.prefill],
-            [d.context_len - 1 for d in out.decode],
-        )
+    @cached_property
+    def _tp_link(self) -> LinkSpec | None:
+        return self._link()
 
     def allreduce_s(self, num_tokens: int) -> float:
         """Two ring all-reduces of the hidden states per layer (Megatron-style TP)."""
-        link = self._link()
-        if self.tp == 1 or link is None or num_tokens == 0:
+        if self.tp == 1 or num_tokens == 0:
+            return 0.0
+        link = self._tp_link
+        if link is None:
             return 0.0
         size = num_tokens * self.model.d_model * self.dtype_bytes
         one = 2 * (self.tp - 1) / self.tp * size / link.bytes_per_s + link.latency_s

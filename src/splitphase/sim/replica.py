@@ -114,9 +114,8 @@ class Replica:
         if out is None:
             raise RuntimeError(f"{self.name}: no step in flight")
         tok = [SAMPLED_TOKEN_ID]
-        sampled = {c.request_id: tok * c.num_samples for c in out.prefill if c.is_last_chunk}
-        for d in out.decode:
-            sampled[d.request_id] = tok
+        sampled = dict.fromkeys([d.request_id for d in out.decode], tok)  # one token per decode
+        sampled.update({c.request_id: tok * c.num_samples for c in out.prefill if c.is_last_chunk})
         finished = self.scheduler.update_from_output(out, sampled, now_s)
         handoffs = self.scheduler.pop_handoffs() if self.role is not None else []
         self.outstanding -= len(finished) + len(handoffs)
