@@ -99,14 +99,16 @@ class FrontendState:
 
     def apply(self, role: str, update: WorkerUpdate) -> tuple[list[str], list[dict[str, Any]]]:
         """Merge a worker's update; returns (ids that worker must abort, requests to readmit)."""
+        aborts = []
         for rid in update.adopted:
             if rid in self.live:
                 self.live[rid].owner = "decode"
-        aborts = []
+            else:  # aborted while its K/V was on the wire: the decode worker adopted it after
+                aborts.append(rid)
         for rec in update.outputs:
             live = self.live.get(rec.request_id)
             if live is None:
-                if not rec.finished:
+                if not rec.finished and rec.request_id not in aborts:
                     aborts.append(rec.request_id)  # we let it go (aborted, failed) but it runs
             elif rec.finish_reason == "error":
                 self.fail([rec.request_id], f"the {role} worker could not serve it")
