@@ -293,9 +293,10 @@ def test_records_that_overtake_the_first_token_wait_for_it():
     )
     assert aborts == ["gone"]  # a request the front end let go of: stop it over there
     # Adopted after its abort (its K/V was on the wire): abort it at once, and only once.
-    late = OutputRecord("late", 1, [2], [0.5], [], "", False, None, None)
-    aborts, _ = state.apply("decode", WorkerUpdate(outputs=[late], adopted=["late"]))
-    assert aborts == ["late"]
+    assert state.apply("decode", WorkerUpdate(adopted=["late"]))[0] == ["late"]
+    late = OutputRecord("late2", 1, [2], [0.5], [], "", False, None, None)
+    aborts, _ = state.apply("decode", WorkerUpdate(outputs=[late], adopted=["late2"]))
+    assert aborts == ["late2"]
 
 
 def test_request_meta_round_trip_shifts_foreign_clocks():
