@@ -4,10 +4,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from splitphase.data.corpus import default_data_dir, fetch_sources
 from splitphase.data.shards import prepare
+from splitphase.model.config import ModelConfig
 from splitphase.model.tokenizer import Tokenizer
+from splitphase.model.transformer import Transformer
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +26,16 @@ def prepared_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
 def data_dir(prepared_shards: tuple[Path, dict[str, Any]]) -> Path:
     """The directory of `prepared_shards`."""
     return prepared_shards[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.default()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer: Tokenizer) -> Transformer:
+    """A random tiny model (seed 0) over the shipped tokenizer's vocabulary."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny").with_(vocab_size=tokenizer.vocab_size)
+    return Transformer(cfg).eval()
