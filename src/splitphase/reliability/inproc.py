@@ -14,6 +14,8 @@ from types import TracebackType
 import uvicorn
 from fastapi import FastAPI
 
+from splitphase.server.launch import bind
+
 
 class InProcessServer:
     """`with InProcessServer(app) as url:` serves `app` on 127.0.0.1 until the block ends."""
@@ -21,13 +23,11 @@ class InProcessServer:
     def __init__(self, app: FastAPI, startup_timeout_s: float = 30.0,
                  sndbuf_bytes: int | None = None) -> None:
         self.app = app
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock = bind("127.0.0.1", 0)  # the server's own listener: TCP_NODELAY included
         if sndbuf_bytes is not None:
             # Accepted connections inherit it (and lose autotuning): a slow reader then fills
             # the server's buffers after kilobytes, as over a real network, not megabytes.
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
-        self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 access_log=False, log_config=None, timeout_graceful_shutdown=2)
