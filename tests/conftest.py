@@ -1,5 +1,6 @@
 """Fixtures shared across the suite."""
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -8,9 +9,14 @@ import torch
 
 from splitphase.data.corpus import default_data_dir, fetch_sources
 from splitphase.data.shards import prepare
+from splitphase.model.checkpoint import save_checkpoint
 from splitphase.model.config import ModelConfig
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
+from splitphase.server.process import ServerProcess
+
+# One torch thread in every server a test starts: CI has two cores shared with other work.
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +45,24 @@ def tiny_model(tokenizer: Tokenizer) -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig.from_name("tiny").with_(vocab_size=tokenizer.vocab_size)
     return Transformer(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random tiny model (seed 0) saved as a checkpoint directory."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny").with_(vocab_size=Tokenizer.default().vocab_size)
+    return save_checkpoint(Transformer(cfg), tmp_path_factory.mktemp("tiny"))
+
+
+def start_server(model: str | Path, *extra: str) -> ServerProcess:
+    """A started `splitphase serve` child on 127.0.0.1 (h100 peaks: no CPU calibration)."""
+    proc = ServerProcess(["--model", str(model), "--hardware", "h100", *extra], env=SERVER_ENV)
+    proc.start()
+    return proc
+
+
+@pytest.fixture(scope="session")
+def launch() -> Callable[..., ServerProcess]:
+    """`launch(model, *serve_args)`: start another server (the test stops it)."""
+    return start_server

@@ -5,23 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-import torch
-
 from splitphase.audit.report.schema import validate_report
 from splitphase.cli import main
-from splitphase.model.checkpoint import save_checkpoint
-from splitphase.model.config import ModelConfig
-from splitphase.model.tokenizer import Tokenizer
-from splitphase.model.transformer import Transformer
 from splitphase.server.process import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = ModelConfig.from_name("tiny").with_(vocab_size=Tokenizer.default().vocab_size)
-    return save_checkpoint(Transformer(cfg), tmp_path_factory.mktemp("tiny"))
 
 
 def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -1,4 +1,6 @@
-"""Fixtures of the reliability suite: a tiny checkpoint, servers, and the ledger of figures.
+"""Fixtures of the reliability suite: in-process servers and the ledger of figures.
+
+`tiny_ckpt` and `launch` (a `splitphase serve` child) come from tests/conftest.py.
 
 Set SPLITPHASE_RELIABILITY_OUT=path.json to keep the ledger (tools/reliability_report.py does,
 then renders the README section from it).
@@ -14,18 +16,12 @@ import pytest
 import torch
 
 from splitphase.engine.llm import LLM
-from splitphase.model.checkpoint import save_checkpoint
-from splitphase.model.config import ModelConfig
-from splitphase.model.tokenizer import Tokenizer
-from splitphase.model.transformer import Transformer
 from splitphase.reliability.inproc import InProcessServer
 from splitphase.reliability.ledger import Ledger
 from splitphase.server.app import create_app
 from splitphase.server.config import ServerConfig
-from splitphase.server.process import ServerProcess
 from splitphase.server.state import ServerState
 
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 OUT_ENV = "SPLITPHASE_RELIABILITY_OUT"
 
 
@@ -44,26 +40,6 @@ def ledger() -> Iterator[Ledger]:
     out = os.environ.get(OUT_ENV)
     if out and book.cases:
         book.write(out)
-
-
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = ModelConfig.from_name("tiny").with_(vocab_size=Tokenizer.default().vocab_size)
-    return save_checkpoint(Transformer(cfg), tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="session")
-def launch() -> Callable[..., ServerProcess]:
-    """`launch(model, *serve_args)`: a started `splitphase serve` child on 127.0.0.1."""
-
-    def start(model: str | Path, *extra: str) -> ServerProcess:
-        proc = ServerProcess(["--model", str(model), "--hardware", "h100", *extra],
-                             host="127.0.0.1", env=SERVER_ENV)
-        proc.start()
-        return proc
-
-    return start
 
 
 @pytest.fixture
