@@ -14,6 +14,8 @@ from splitphase.hardware.specs import HARDWARE, HardwareSpec
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPLITPHASE_CACHE", str(tmp_path))
+    # A real probe can beat a real cached calibration on a machine whose load changes.
+    monkeypatch.setattr(cal, "_spot_probe", lambda quick: (1.0, 1.0))
     return tmp_path
 
 
@@ -40,6 +42,27 @@ def test_quick_calibration_measures_and_caches(
     assert len(files) == 1
     monkeypatch.setattr(cal, "_measure", _no_measuring)
     assert cal.calibrate(quick=True) == spec
+
+
+def test_spot_probe_measures() -> None:
+    bandwidth, fp32 = cal._spot_probe(True)
+    assert bandwidth > 1e8 and fp32 > 1e8
+
+
+def test_a_cache_beaten_by_a_spot_probe_is_remeasured(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = dataclasses.replace(
+        _fake_spec("under load"), mem_bandwidth_bytes_per_s=10e9, peak_fp32_flops_per_s=100e9
+    )
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: loaded)
+    cal.calibrate(quick=True)
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec("quiet"))
+    monkeypatch.setattr(cal, "_spot_probe", lambda quick: (11e9, 105e9))  # within noise
+    assert cal.calibrate(quick=True).source == "under load"
+    monkeypatch.setattr(cal, "_spot_probe", lambda quick: (20e9, 105e9))  # bandwidth beaten
+    assert cal.calibrate(quick=True).source == "quiet"
+    assert cal.calibrate(quick=True).source == "quiet"  # and the new figures are cached
 
 
 def test_refresh_remeasures(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,9 @@ from splitphase.hardware.specs import HardwareSpec
 DEFAULT_CPU_PRICE_USD_PER_HOUR = 0.10
 _MIB = 2**20
 _CACHE_VERSION = 2  # 2: GEMM peak is the best rate over sizes
+# A spot probe this much above a cached peak means the cache was measured under load.
+_STALE_MARGIN = 1.15
+_TRIAD_MIB = {True: 64, False: 256}  # per array, quick and full
 
 
 def cache_dir() -> Path:
@@ -124,7 +127,7 @@ def _mem_capacity_bytes() -> float:
 
 
 def _measure(quick: bool, key: dict[str, Any], price_usd_per_hour: float) -> HardwareSpec:
-    mib, repeats, max_n = (64, 3, 1024) if quick else (256, 10, 4096)
+    mib, repeats, max_n = _TRIAD_MIB[quick], *((3, 1024) if quick else (10, 4096))
     bandwidth = measure_triad_bandwidth_bytes_per_s(mib_per_array=mib, repeats=repeats)
     fp32 = measure_gemm_flops_per_s("float32", max_n=max_n, repeats=repeats)
     bf16 = measure_gemm_flops_per_s("bfloat16", max_n=max_n, repeats=repeats)
@@ -166,11 +169,39 @@ def calibrate(
         # A full calibration is better than a quick one, so a quick request accepts either.
         for mode in [False, True] if quick else [False]:
             cached = _load(_cache_path(key, mode), key)
-            if cached is not None:
+            if cached is not None and not _beaten(cached, _spot_probe(mode)):
                 # The price is an assumption, not a measurement, so the caller's value wins.
                 return replace(cached, price_usd_per_hour=price_usd_per_hour)
     spec = _measure(quick, key, price_usd_per_hour)
-    path = _cache_path(key, quick)
+    _store(spec, _cache_path(key, quick), key)
+    return spec
+
+
+def _spot_probe(quick: bool) -> tuple[float, float]:
+    """A cheap triad and fp32 GEMM, (bytes/s, FLOP/s), to check a cached calibration.
+
+    The triad uses the cached calibration's array size: smaller arrays would sit in the
+    last-level cache and beat a DRAM figure without proving anything.
+    """
+    return (
+        measure_triad_bandwidth_bytes_per_s(mib_per_array=_TRIAD_MIB[quick], repeats=2),
+        measure_gemm_flops_per_s("float32", max_n=512, repeats=3),
+    )
+
+
+def _beaten(cached: HardwareSpec, probe: tuple[float, float]) -> bool:
+    """Whether a spot probe beats the cached peaks by more than noise.
+
+    A calibration taken while other jobs held the cores stays cached and then makes every
+    report claim over 100% use; a peak is an upper bound, so a probe above it proves it stale.
+    """
+    bandwidth, fp32 = probe
+    return bandwidth > _STALE_MARGIN * cached.mem_bandwidth_bytes_per_s or fp32 > _STALE_MARGIN * (
+        cached.peak_fp32_flops_per_s or float("inf")
+    )
+
+
+def _store(spec: HardwareSpec, path: Path, key: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -178,4 +209,3 @@ def calibrate(
         tmp.replace(path)  # atomic, so a concurrent reader never sees half a file
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time
-    return spec
