@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -35,11 +36,15 @@ class HelperPool {
   ~HelperPool() { resize(0); }
 
   // After fork() the helpers exist only in the parent: the child forgets them (never joins)
-  // and starts its own on the next call.
+  // and starts its own on the next call. The condition variable and mutexes are rebuilt in
+  // place: a copy taken while a parent's helper slept in cv_.wait counts that waiter forever,
+  // and the child's first notify_all then blocks on it (seen as a hang in the fork test).
   void adopt_after_fork() {
     if (owner_ == getpid()) return;
     new std::vector<std::thread>(std::move(threads_));  // leaked on purpose: not joinable here
     threads_.clear();
+    new (&cv_) std::condition_variable();  // the old objects belong to threads that are gone
+    new (&mutex_) std::mutex();
     sleepers_.store(0);
     stop_.store(false);
     owner_ = getpid();
@@ -50,8 +55,11 @@ class HelperPool {
       for (int64_t c = 0; c < n_chunks; ++c) fn(c);
       return;
     }
+    if (owner_ != getpid()) {  // the child's only thread: the parent's job lock may be held
+      new (&job_mutex_) std::mutex();
+      adopt_after_fork();
+    }
     std::lock_guard<std::mutex> one_job(job_mutex_);  // callers from several threads queue
-    adopt_after_fork();
     resize(threads - 1);
     fn_ = &fn;
     n_chunks_ = n_chunks;
