@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -112,6 +113,10 @@ void decode_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
+}  // namespace
+
+namespace splitphase_ops {
+
 // q (B, H, D); k, v (N, G, D) pools; slots (B, S) int64 (first lengths[b] used); -> (B, H, D).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& slots, const at::Tensor& lengths) {
@@ -138,10 +143,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return outf.to(q.scalar_type());
 }
 
-}  // namespace
+}  // namespace splitphase_ops
 
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(splitphase, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(splitphase, CPU, m) { m.impl("decode_attention", &splitphase_ops::decode_attention); }

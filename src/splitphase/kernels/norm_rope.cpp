@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "ops.h"
 #include "pool.h"
 
 namespace {
@@ -35,6 +36,10 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) 
   });
 }
 
+}  // namespace
+
+namespace splitphase_ops {
+
 // y = w * (x * rsqrt(mean(x^2) + eps)) over the last dim of x (..., D).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(-1) == w.numel(), "shapes");
@@ -52,6 +57,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   }
   return y;
 }
+
+}  // namespace splitphase_ops
+
+namespace {
 
 template <typename T>
 void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t, int64_t h,
@@ -73,6 +82,10 @@ void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t,
     }
   });
 }
+
+}  // namespace
+
+namespace splitphase_ops {
 
 // x (B, T, H, D) rotated by cos/sin (B or 1, T, D): x * cos + rotate_half(x) * sin.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -98,7 +111,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
-}  // namespace
+}  // namespace splitphase_ops
 
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -106,6 +119,6 @@ TORCH_LIBRARY_FRAGMENT(splitphase, m) {
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope", &rope);
+  m.impl("rms_norm", &splitphase_ops::rms_norm);
+  m.impl("rope", &splitphase_ops::rope);
 }

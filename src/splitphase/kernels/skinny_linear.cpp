@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "ops.h"
 #include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -199,6 +200,10 @@ void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vec
   });
 }
 
+}  // namespace
+
+namespace splitphase_ops {
+
 // [x @ w.T for w in ws]: each output (rows, out_j) contiguous, one pass over every weight.
 std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
   check_inputs(x, ws);
@@ -216,12 +221,12 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
   return ys;
 }
 
-}  // namespace
+}  // namespace splitphase_ops
 
 TORCH_LIBRARY(splitphase, m) {
   m.def("skinny_linear(Tensor x, Tensor[] ws) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
-  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear", &splitphase_ops::skinny_linear);
 }

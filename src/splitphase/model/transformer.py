@@ -10,13 +10,14 @@ layers over its block tables.
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
 
-from splitphase.kernels import skinny
+from splitphase.kernels import decode_stack, skinny
 from splitphase.kernels.attention import decode_attention
+from splitphase.kernels.decode_stack import DecodePlan
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
     Attention,
@@ -148,13 +149,27 @@ class KVCache:
             return attn.attend(q, k_all, v_all, mask=None, causal=False)
         pool_k = self.k[layer_idx].flatten(0, 1)  # (B*T_max, G, D), row b at b*T_max
         pool_v = self.v[layer_idx].flatten(0, 1)
-        if self._decode_slots is None or self._decode_slots[0] != end:  # once per step
+        slots, lengths = self._step_slots(end)
+        out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
+        return out.flatten(1)[:, None]  # (B, 1, H*D)
+
+    def _step_slots(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool slots (B, S) of positions [0, end) of every row, and lengths (B,): once a step."""
+        if self._decode_slots is None or self._decode_slots[0] != end:
             batch, max_len = self.k.shape[1], self.k.shape[2]
             slots = torch.arange(end)[None] + torch.arange(batch)[:, None] * max_len  # (B, S)
             self._decode_slots = (end, slots, torch.full((batch,), end, dtype=torch.long))
-        _, slots, lengths = self._decode_slots
-        out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
-        return out.flatten(1)[:, None]  # (B, 1, H*D)
+        return self._decode_slots[1], self._decode_slots[2]
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The pass in flight as pool slots when it feeds one token per row (else None)."""
+        if self._pending != 1 or self.k.device.type != "cpu":
+            return None
+        batch, max_len = self.k.shape[1], self.k.shape[2]
+        slots, lengths = self._step_slots(self.length + 1)
+        write = torch.arange(batch) * max_len + self.length  # (B,) row b's slot b*T_max + t
+        # (L, B*T_max, G, D) views: row b's positions are one pool's slots from b*T_max
+        return DecodePlan(self.k.flatten(1, 2), self.v.flatten(1, 2), write, slots, lengths)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         """Read-only attention over the stored K/V, including this pass's (see the protocol)."""
@@ -250,9 +265,45 @@ class Transformer(nn.Module):
         """Final-normed hidden states (B, T, D) for token ids (B, T)."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # (B, T, D)
+        fused = self._fused_decode(x, cos, sin, ctx)
+        if fused is not None:
+            return self.norm(fused)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
+
+    def _fused_decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor | None:
+        """All layers in one native call when ctx runs a decode pass (one token per row) of a
+        dense model without QK-norm; None where the per-op path must run."""
+        plan_of = getattr(ctx, "decode_plan", None)
+        if plan_of is None or self.cfg.is_moe or self.cfg.qk_norm or not decode_stack.is_enabled():
+            return None
+        plan = plan_of()
+        flat = x.reshape(-1, x.shape[-1])  # (B, D): one token per row
+        c, s = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])  # (B or 1, D)
+        if plan is None or plan.write_slots.shape[0] != flat.shape[0] or c.shape[0] not in (
+            1, flat.shape[0]
+        ):
+            return None
+        weights = self._decode_weights()
+        if not decode_stack.usable(flat, weights, plan):
+            return None
+        out = decode_stack.decode_layers(
+            flat, weights, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
+        )
+        return out.view_as(x)
+
+    def _decode_weights(self) -> list[torch.Tensor]:
+        """Per layer, in decode_stack.cpp's order: norm, q, k, v, o, norm, gate, up, down."""
+        out: list[torch.Tensor] = []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            attn, mlp = layer.self_attn, cast(SwiGLU, layer.mlp)  # dense: checked by the caller
+            out += [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+                    attn.v_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head (tied or not): (..., D) -> (..., V)."""
