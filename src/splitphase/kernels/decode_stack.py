@@ -1,6 +1,6 @@
 """A decode pass through all decoder layers in one native call, or None (run the layers).
 
-At batch 1 the ~20 ops of a decoder layer each cost Python and dispatcher time comparable to
+At batch 1 the ~15 ops of a decoder layer each cost Python and dispatcher time comparable to
 their arithmetic on small activations; the native `decode_layers` runs the same kernels in
 the same order from C++, so its output is bit-identical to the per-op path (which stays the
 fallback and, with the native kernels off, the torch reference).
@@ -59,6 +59,7 @@ def usable(x: torch.Tensor, weights: list[torch.Tensor], plan: DecodePlan) -> bo
 def decode_layers(
     x: torch.Tensor,
     weights: list[torch.Tensor],
+    final_norm: torch.Tensor,
     plan: DecodePlan,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -66,8 +67,9 @@ def decode_layers(
     n_heads: int,
 ) -> torch.Tensor:
     """x (B, d_model) through every layer (9 weights each, see decode_stack.cpp), writing
-    K/V into the plan's caches; cos/sin (B or 1, head_dim). Returns (B, d_model)."""
+    K/V into the plan's caches; cos/sin (B or 1, head_dim). Returns the final norm's output
+    (B, d_model)."""
     return torch.ops.splitphase.decode_layers(
-        x, weights, plan.k_cache, plan.v_cache, plan.write_slots, plan.slots, plan.lengths,
-        cos, sin, eps, skinny.MAX_ROWS[x.dtype], n_heads,
+        x, weights, final_norm, plan.k_cache, plan.v_cache, plan.write_slots, plan.slots,
+        plan.lengths, cos, sin, eps, skinny.MAX_ROWS[x.dtype], n_heads,
     )

@@ -31,6 +31,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return torch.ops.splitphase.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + r, rms_norm(x + r)) in one pass (a residual add and the norm after it), or None."""
+    if x.shape != r.shape or not _ok(x, r, weight):
+        return None
+    s, y = torch.ops.splitphase.add_rms_norm(x, r, weight, eps)
+    return s, y
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x (B, T, H, D) rotated by cos/sin (B or 1, T, 1, D), or None (use torch)."""
     if x.dim() != 4 or cos.dim() != 4 or cos.shape[2] != 1:

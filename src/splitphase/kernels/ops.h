@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <tuple>
 #include <vector>
 
 namespace splitphase_ops {
@@ -16,6 +17,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 // w * (x * rsqrt(mean(x^2) + eps)) over the last dim.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// (x + r, rms_norm(x + r)) in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps);
 
 // x (B, T, H, D) rotated by cos/sin (B or 1, T, D).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

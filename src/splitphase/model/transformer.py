@@ -207,10 +207,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        x, h2 = self._attention(x, self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(h2)
+
+    def step(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: AttentionContext,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, D) and h = input_layernorm(x) -> (this layer's output, next_norm of it).
+
+        Each residual add rides in the norm that reads it (one pass instead of two).
+        """
+        x, h2 = self._attention(x, h, cos, sin, ctx)
+        return next_norm.residual(x, self.mlp(h2))
+
+    def _attention(
+        self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attention output, post_attention_layernorm of it)."""
         q, k, v = self.self_attn.project_qkv(h, cos, sin)
-        x = x + self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o = self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
+        return self.post_attention_layernorm.residual(x, o)
 
 
 class Transformer(nn.Module):
@@ -267,16 +290,21 @@ class Transformer(nn.Module):
         x = self.embed_tokens(ids)  # (B, T, D)
         fused = self._fused_decode(x, cos, sin, ctx)
         if fused is not None:
-            return self.norm(fused)
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            return fused
+        layers = cast(list[DecoderLayer], list(self.layers))
+        if not layers:
+            return self.norm(x)
+        h = layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, next_norm in zip(layers, norms, strict=True):
+            x, h = layer.step(x, h, cos, sin, ctx, next_norm)
+        return h
 
     def _fused_decode(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor | None:
-        """All layers in one native call when ctx runs a decode pass (one token per row) of a
-        dense model without QK-norm; None where the per-op path must run."""
+        """All layers and the final norm in one native call when ctx runs a decode pass (one
+        token per row) of a dense model without QK-norm; None where the per-op path must run."""
         plan_of = getattr(ctx, "decode_plan", None)
         if plan_of is None or self.cfg.is_moe or self.cfg.qk_norm or not decode_stack.is_enabled():
             return None
@@ -288,10 +316,10 @@ class Transformer(nn.Module):
         ):
             return None
         weights = self._decode_weights()
-        if not decode_stack.usable(flat, weights, plan):
+        if not self.layers or not decode_stack.usable(flat, [*weights, self.norm.weight], plan):
             return None
         out = decode_stack.decode_layers(
-            flat, weights, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
+            flat, weights, self.norm.weight, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
         )
         return out.view_as(x)
 
