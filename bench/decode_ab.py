@@ -1,9 +1,9 @@
 """Decode step A/B in one process: the one-call native pass, the per-op native path, torch.
 
-Variants alternate within each round (a busy spell on the shared machine hits all of them
-alike) and each figure is the best step over all rounds. Prints ms per step, the bytes the
-step must move over its time against the STREAM triad measured in the same run, ratios to
-the fused pass, and the load average. Nothing is asserted.
+The variants alternate step by step (each on its own filled cache), so a busy spell on the
+shared machine hits all of them alike; each figure is the best step and the median. Prints
+ms per step, the bytes a step must move over the best time against the STREAM triad measured
+in the same run, ratios to the first variant, and the load average. Nothing is asserted.
 
     OMP_NUM_THREADS=2 python bench/decode_ab.py --batch 1 8 --dtypes float32 bfloat16
 """
@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 import torch
 
+from splitphase.audit.flops import decode_bytes
 from splitphase.kernels import decode_stack, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import triad_bytes_per_s
-from splitphase.perf.timing import time_decode
+from splitphase.perf.timing import filled_cache
 
 VARIANTS = {"fused": (True, True), "per_op": (True, False), "torch": (False, False)}
-
-
-def _triad() -> float:
-    return triad_bytes_per_s(torch.device("cpu"), 256, 8)  # as phase_limits measures it
 
 
 def _set(variant: str) -> None:
@@ -34,35 +33,53 @@ def _set(variant: str) -> None:
     decode_stack.set_enabled(fused)
 
 
+def _triad() -> float:
+    return triad_bytes_per_s(torch.device("cpu"), 256, 8)  # as phase_limits measures it
+
+
+def _alternate(
+    model: Transformer, batch: int, context: int, steps: int, variants: list[str]
+) -> dict[str, list[float]]:
+    """Seconds of `steps` decode steps per variant, variants interleaved step by step."""
+    caches = {v: filled_cache(model, batch, context, 2) for v in variants}
+    ids = torch.randint(0, model.cfg.vocab_size, (batch,))
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(steps + 2):  # two untimed warm-up steps each
+        for v in variants:
+            _set(v)
+            t0 = time.perf_counter()
+            model.decode_step(ids, caches[v])
+            if i >= 2:
+                times[v].append(time.perf_counter() - t0)
+            caches[v].length -= 1  # stay at `context`: every step costs the same
+    _set(variants[0])
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="base-125m")
     ap.add_argument("--dtypes", nargs="+", default=["float32"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--variants", nargs="+", default=["fused", "per_op"], choices=list(VARIANTS))
     args = ap.parse_args()
     print(f"threads {torch.get_num_threads()}, load before {os.getloadavg()}")
     triad = _triad()
     for name in args.dtypes:
         torch.manual_seed(0)
         model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=name)).eval()
+        dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
         for batch in args.batch:
-            best: dict[str, float] = {}
-            moved = 0.0
-            for _ in range(args.rounds):
-                for v in args.variants:
-                    _set(v)
-                    t = time_decode(model, batch, args.context, args.steps)
-                    best[v], moved = min(best.get(v, t.step_s), t.step_s), t.bytes_per_step
-                _set("fused")
-                triad = max(triad, _triad())
-            ref = best[args.variants[0]]
+            times = _alternate(model, batch, args.context, args.steps, args.variants)
+            moved = decode_bytes(model.cfg, [args.context] * batch, dtype_bytes)
+            triad = max(triad, _triad())
+            ref = min(times[args.variants[0]])
             print(f"{name} b{batch}: " + ", ".join(
-                f"{v} {1e3 * s:.2f} ms ({100 * moved / s / triad:.0f}% triad, "
-                f"{s / ref:.3f}x)" for v, s in best.items()))
+                f"{v} best {1e3 * min(t):.2f} ms ({100 * moved / min(t) / triad:.0f}% triad, "
+                f"{min(t) / ref:.3f}x) median {1e3 * statistics.median(t):.2f} ms"
+                for v, t in times.items()))
     print(f"triad {triad / 1e9:.1f} GB/s (best of the run); load after {os.getloadavg()}")
 
 
