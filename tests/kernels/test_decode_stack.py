@@ -135,3 +135,15 @@ def test_engine_decode_steps_use_it_and_match_per_op(
         if on:
             assert calls and max(calls) == len(prompts)  # decode-only steps took the fused pass
     assert runs[0] == runs[1]
+
+
+@needs_kernel
+def test_converting_the_model_after_a_fused_pass_uses_the_new_weights(calls: list[int]) -> None:
+    model = _model()
+    ids = _ids(model, 2, 8, seed=3)
+    _decode(model, ids)  # the fp32 weight list is built here
+    model.to(torch.bfloat16)
+    fused, _ = _decode(model, ids)
+    assert calls[-1] == 2 and fused.dtype == torch.bfloat16
+    decode_stack.set_enabled(False)
+    assert torch.equal(fused, _decode(model, ids)[0])
