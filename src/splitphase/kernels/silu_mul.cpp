@@ -20,25 +20,6 @@
 namespace {
 
 #if SPLITPHASE_AVX512
-// exp(x) as Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-7 polynomial for e^r,
-// scaled by 2^n (within 2 ulp of the true value over the clamped range).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
-                    _mm512_set1_ps(88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Round-to-nearest-even to bf16, as c10::BFloat16 does: the bf16 bits in each 32-bit lane's
 // low half (no NaN expected from finite activations).
 inline __m512i bf16_bits(__m512 v) {
@@ -66,7 +47,7 @@ void silu_mul_range(const T* g, const T* u, T* y, int64_t begin, int64_t end) {
     __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : splitphase_simd::tail_mask(n);
     __m512 gv = n == 16 ? splitphase_simd::load16(g + i) : splitphase_simd::load_tail(g + i, n);
     __m512 uv = n == 16 ? splitphase_simd::load16(u + i) : splitphase_simd::load_tail(u + i, n);
-    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 e = splitphase_simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     __m512 s = round_like(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T());
     store16(y + i, _mm512_mul_ps(s, uv), m);  // g / (1 + exp(-g)) * u, as torch's silu
   }
