@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "pool.h"
 
 namespace {
 
@@ -20,6 +21,7 @@ constexpr int64_t kWeightsPerLayer = 9;  // in_norm, q, k, v, o, post_norm, gate
 // Python), otherwise torch's linear.
 std::vector<at::Tensor> linears(const at::Tensor& x, at::TensorList ws, int64_t max_rows) {
   if (x.size(0) <= max_rows) return splitphase_ops::skinny_linear(x, ws);
+  splitphase_pool::park_helpers();  // oneDNN/MKL's OpenMP team needs both cores
   std::vector<at::Tensor> ys;
   for (const auto& w : ws) ys.push_back(at::linear(x, w));
   return ys;

@@ -74,6 +74,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   } else {
     TORCH_CHECK(false, "rms_norm supports float32 and bfloat16");
   }
+  splitphase_pool::park_after(rows);
   return y;
 }
 
@@ -96,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   } else {
     TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
   }
+  splitphase_pool::park_after(rows);
   return {s, y};
 }
 
@@ -149,6 +151,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   } else {
     TORCH_CHECK(false, "rope supports float32 and bfloat16");
   }
+  splitphase_pool::park_after(x.size(0) * x.size(1));
   return y;
 }
 
