@@ -1,7 +1,9 @@
 """Decode step A/B in one process: the one-call native pass, the per-op native path, torch.
 
 The variants alternate step by step (each on its own filled cache), so a busy spell on the
-shared machine hits all of them alike; each figure is the best step and the median. Prints
+shared machine hits all of them alike; each figure is the best step and the median.
+`--blocks` times consecutive steps per variant instead (as bench/phase_limits.py does), the
+variants alternating block by block. Prints
 ms per step, the bytes a step must move over the best time against the STREAM triad measured
 in the same run, ratios to the first variant, and the load average. Nothing is asserted.
 
@@ -22,7 +24,7 @@ from splitphase.kernels import decode_stack, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import triad_bytes_per_s
-from splitphase.perf.timing import filled_cache
+from splitphase.perf.timing import filled_cache, time_decode
 
 VARIANTS = {"fused": (True, True), "per_op": (True, False), "torch": (False, False)}
 
@@ -56,6 +58,20 @@ def _alternate(
     return times
 
 
+def _blocks(
+    model: Transformer, batch: int, context: int, steps: int, variants: list[str]
+) -> dict[str, list[float]]:
+    """Best step of `steps` consecutive ones per variant (as phase_limits times decode), the
+    variants alternating block by block for five rounds."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(5):
+        for v in variants:
+            _set(v)
+            times[v].append(time_decode(model, batch, context, steps).step_s)
+    _set(variants[0])
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="base-125m")
@@ -64,6 +80,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--variants", nargs="+", default=["fused", "per_op"], choices=list(VARIANTS))
+    ap.add_argument("--blocks", action="store_true",
+                    help="consecutive steps per variant (weights warm in L3 from the step before)")
     args = ap.parse_args()
     print(f"threads {torch.get_num_threads()}, load before {os.getloadavg()}")
     triad = _triad()
@@ -72,7 +90,8 @@ def main() -> None:
         model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=name)).eval()
         dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
         for batch in args.batch:
-            times = _alternate(model, batch, args.context, args.steps, args.variants)
+            run = _blocks if args.blocks else _alternate
+            times = run(model, batch, args.context, args.steps, args.variants)
             moved = decode_bytes(model.cfg, [args.context] * batch, dtype_bytes)
             triad = max(triad, _triad())
             ref = min(times[args.variants[0]])
