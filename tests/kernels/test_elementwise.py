@@ -1,11 +1,11 @@
-"""Native RMSNorm and RoPE against the torch reference in `splitphase.model.layers`."""
+"""Native RMSNorm (and its residual add), RoPE and SiLU*mul against the torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import build, elementwise, skinny
 from splitphase.model.layers import RMSNorm, apply_rope, rope_cos_sin
 
 needs_kernel = pytest.mark.skipif(
@@ -55,3 +55,33 @@ def test_shapes_the_kernel_does_not_cover_fall_back() -> None:
     cos, sin = torch.ones(1, 5, 1, 8), torch.zeros(1, 5, 1, 8)
     with torch.inference_mode():
         assert torch.equal(apply_rope(x, cos, sin), x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_is_the_add_then_the_native_norm(dtype: torch.dtype) -> None:
+    norm = RMSNorm(100, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, r = torch.randn(2, 9, 100).to(dtype), torch.randn(2, 9, 100).to(dtype)
+    with torch.inference_mode():
+        s, y = norm.residual(x, r)
+        assert torch.equal(s, x + r) and torch.equal(y, norm(x + r))  # bit for bit
+    (s_fast, y_fast), (s_ref, y_ref) = _both(lambda: norm.residual(x, r))
+    assert torch.equal(s_fast, s_ref)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y_fast.float(), y_ref.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch_and_ignores_position(dtype: torch.dtype) -> None:
+    g = (torch.randn(5, 172) * 8).to(dtype)  # wide enough for exp's clamp; 172: a ragged tail
+    u = torch.randn(5, 172).to(dtype)
+    fast, ref = _both(lambda: elementwise.silu_mul(g, u))
+    assert fast.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # exp within 2 ulp; bf16 may round apart
+    torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
+    with torch.inference_mode():
+        for row in range(5):  # a row alone takes the same code as inside the batch
+            assert torch.equal(elementwise.silu_mul(g[row], u[row]), fast[row])

@@ -16,6 +16,7 @@ import torch
 
 from splitphase.errors import UserError
 from splitphase.kernels.attention import decode_attention
+from splitphase.kernels.decode_stack import DecodePlan
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Attention, causal_mask
 
@@ -152,6 +153,13 @@ class PagedAttention:
         self.decodes = decodes  # the decode tokens: the last rows of the batch
         self.aux = aux  # the sampling rows' contexts, for the auxiliary flow
         self.num_rows = write_slots.shape[0]
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The step as pool slots when every row is a decode token (else None)."""
+        d = self.decodes
+        if self.prefills or d.first_row != 0 or d.slots.shape[0] != self.num_rows:
+            return None
+        return DecodePlan(self.cache.k, self.cache.v, self.write_slots, d.slots, d.lengths)
 
     def attend(
         self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

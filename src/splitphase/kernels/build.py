@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / n for n in ("skinny_linear.cpp", "decode_attention.cpp", "norm_rope.cpp")]
-HEADERS = [HERE / "simd.h", HERE / "pool.h"]
+SOURCES = [HERE / n for n in (
+    "skinny_linear.cpp", "decode_attention.cpp", "norm_rope.cpp", "silu_mul.cpp",
+    "decode_stack.cpp",
+)]
+HEADERS = [HERE / "simd.h", HERE / "pool.h", HERE / "ops.h"]
 _NAME = "splitphase_kernels"
 
 
@@ -68,7 +71,7 @@ def enabled() -> bool:
 def _try_load() -> KernelStatus:
     if not enabled():
         return KernelStatus(False, "disabled by SPLITPHASE_KERNELS=0")
-    if hasattr(torch.ops.splitphase, "rope"):
+    if hasattr(torch.ops.splitphase, "silu_mul"):
         return KernelStatus(True, "already registered")
     try:
         from torch.utils import cpp_extension

@@ -1,4 +1,4 @@
-"""One-pass RMSNorm and RoPE on CPU; each returns None where the torch reference should run.
+"""One-pass RMSNorm, RoPE and SwiGLU's activation on CPU, or the torch reference.
 
 In prefill these element-wise passes cost as much as a third of the step in torch (seven
 tensor ops for a norm, five for a rotation, each a parallel region over the whole
@@ -8,6 +8,7 @@ activation); the native versions read and write each activation once.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from splitphase.kernels import skinny
 
@@ -30,6 +31,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return torch.ops.splitphase.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + r, rms_norm(x + r)) in one pass (a residual add and the norm after it), or None."""
+    if x.shape != r.shape or not _ok(x, r, weight):
+        return None
+    s, y = torch.ops.splitphase.add_rms_norm(x, r, weight, eps)
+    return s, y
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x (B, T, H, D) rotated by cos/sin (B or 1, T, 1, D), or None (use torch)."""
     if x.dim() != 4 or cos.dim() != 4 or cos.shape[2] != 1:
@@ -38,3 +49,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     if c.shape[0] not in (1, x.shape[0]) or c.shape[1] != x.shape[1] or not _ok(x, c, s):
         return None
     return torch.ops.splitphase.rope(x, c, s)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u; natively one pass whose elements do not depend on their position (torch's
+    vector loop ends in a scalar one that rounds exp differently, so a row's result there
+    depends on how many rows share the call)."""
+    if g.shape == u.shape and _ok(g, u):
+        return torch.ops.splitphase.silu_mul(g, u)
+    return F.silu(g) * u

@@ -6,8 +6,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
+#include "ops.h"
 #include "pool.h"
 
 namespace {
@@ -15,25 +18,46 @@ namespace {
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// One row: y = w * (x * rsqrt(mean(x^2) + eps)).
+template <typename T>
+inline void rms_row(const T* xr, const T* w, T* yr, int64_t d, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) {
+    float v = static_cast<float>(xr[i]);
+    ss += v * v;
+  }
+  float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) {
+    float n = rnd<T>(static_cast<float>(xr[i]) * inv);  // x32 * rsqrt(..) -> x.dtype
+    yr[i] = static_cast<T>(static_cast<float>(w[i]) * n);
+  }
+}
+
 template <typename T>
 void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) {
   splitphase_pool::parallel_chunks(rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * d;
-      T* yr = y + r * d;
-      float ss = 0.f;
+    for (int64_t r = begin; r < end; ++r) rms_row(x + r * d, w, y + r * d, d, eps);
+  });
+}
+
+// s = x + r (rounded to T, as torch's add), then y = rms_norm(s): one pass over the rows.
+template <typename T>
+void add_rms_rows(const T* x, const T* r, const T* w, T* s, T* y, int64_t rows, int64_t d,
+                  float eps) {
+  splitphase_pool::parallel_chunks(rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t off = row * d;
       for (int64_t i = 0; i < d; ++i) {
-        float v = static_cast<float>(xr[i]);
-        ss += v * v;
+        s[off + i] = static_cast<T>(static_cast<float>(x[off + i]) + static_cast<float>(r[off + i]));
       }
-      float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-      for (int64_t i = 0; i < d; ++i) {
-        float n = rnd<T>(static_cast<float>(xr[i]) * inv);  // x32 * rsqrt(..) -> x.dtype
-        yr[i] = static_cast<T>(static_cast<float>(w[i]) * n);
-      }
+      rms_row(s + off, w, y + off, d, eps);  // s's row is still in L1
     }
   });
 }
+
+}  // namespace
+
+namespace splitphase_ops {
 
 // y = w * (x * rsqrt(mean(x^2) + eps)) over the last dim of x (..., D).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -50,8 +74,36 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   } else {
     TORCH_CHECK(false, "rms_norm supports float32 and bfloat16");
   }
+  splitphase_pool::park_after(rows);
   return y;
 }
+
+// (x + r, rms_norm(x + r)): a residual add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && w.is_contiguous(), "contiguous");
+  TORCH_CHECK(x.sizes() == r.sizes() && x.size(-1) == w.numel(), "shapes");
+  TORCH_CHECK(x.scalar_type() == r.scalar_type() && x.scalar_type() == w.scalar_type(), "dtype");
+  auto s = at::empty_like(x);
+  auto y = at::empty_like(x);
+  int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_rows<float>(x.data_ptr<float>(), r.data_ptr<float>(), w.data_ptr<float>(),
+                        s.data_ptr<float>(), y.data_ptr<float>(), rows, d, static_cast<float>(eps));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    using B = c10::BFloat16;
+    add_rms_rows<B>(x.data_ptr<B>(), r.data_ptr<B>(), w.data_ptr<B>(), s.data_ptr<B>(),
+                    y.data_ptr<B>(), rows, d, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
+  }
+  splitphase_pool::park_after(rows);
+  return {s, y};
+}
+
+}  // namespace splitphase_ops
+
+namespace {
 
 template <typename T>
 void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t, int64_t h,
@@ -74,6 +126,10 @@ void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t,
   });
 }
 
+}  // namespace
+
+namespace splitphase_ops {
+
 // x (B, T, H, D) rotated by cos/sin (B or 1, T, D): x * cos + rotate_half(x) * sin.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous(), "x (B, T, H, D) contiguous");
@@ -95,17 +151,20 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   } else {
     TORCH_CHECK(false, "rope supports float32 and bfloat16");
   }
+  splitphase_pool::park_after(x.size(0) * x.size(1));
   return y;
 }
 
-}  // namespace
+}  // namespace splitphase_ops
 
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope", &rope);
+  m.impl("rms_norm", &splitphase_ops::rms_norm);
+  m.impl("add_rms_norm", &splitphase_ops::add_rms_norm);
+  m.impl("rope", &splitphase_ops::rope);
 }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -35,28 +36,40 @@ class HelperPool {
   ~HelperPool() { resize(0); }
 
   // After fork() the helpers exist only in the parent: the child forgets them (never joins)
-  // and starts its own on the next call.
+  // and starts its own on the next call. The condition variable and mutexes are rebuilt in
+  // place: a copy taken while a parent's helper slept in cv_.wait counts that waiter forever,
+  // and the child's first notify_all then blocks on it (seen as a hang in the fork test).
   void adopt_after_fork() {
     if (owner_ == getpid()) return;
     new std::vector<std::thread>(std::move(threads_));  // leaked on purpose: not joinable here
     threads_.clear();
+    new (&cv_) std::condition_variable();  // the old objects belong to threads that are gone
+    new (&mutex_) std::mutex();
     sleepers_.store(0);
     stop_.store(false);
     owner_ = getpid();
   }
+
+  // Spinning helpers go to sleep now: the caller is about to run torch's own parallel code
+  // (an OpenMP GEMM), which needs every core; a spinning helper would take one from it.
+  void park() { park_.store(true); }
 
   void run(int threads, int64_t n_chunks, const std::function<void(int64_t)>& fn) {
     if (threads <= 1 || n_chunks <= 1) {
       for (int64_t c = 0; c < n_chunks; ++c) fn(c);
       return;
     }
+    if (owner_ != getpid()) {  // the child's only thread: the parent's job lock may be held
+      new (&job_mutex_) std::mutex();
+      adopt_after_fork();
+    }
     std::lock_guard<std::mutex> one_job(job_mutex_);  // callers from several threads queue
-    adopt_after_fork();
     resize(threads - 1);
     fn_ = &fn;
     n_chunks_ = n_chunks;
     done_.store(0, std::memory_order_relaxed);
     uint64_t gen = (state_.load() >> 32) + 1;
+    park_.store(false);
     state_.store(gen << 32);
     if (sleepers_.load() > 0) {
       { std::lock_guard<std::mutex> lk(mutex_); }
@@ -82,7 +95,7 @@ class HelperPool {
     uint64_t seen = state_.load() >> 32;
     while (true) {
       uint64_t gen = seen;
-      for (int spin = 0; spin < 20000 && gen == seen && !stop_.load(); ++spin) {
+      for (int spin = 0; spin < 20000 && gen == seen && !stop_.load() && !park_.load(); ++spin) {
         SPLITPHASE_PAUSE();
         gen = state_.load(std::memory_order_acquire) >> 32;
       }
@@ -118,6 +131,7 @@ class HelperPool {
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> park_{false};
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_chunks_ = 0;
   pid_t owner_ = getpid();
@@ -134,6 +148,15 @@ inline bool use_openmp() {
     return v != nullptr && std::strcmp(v, "openmp") == 0;
   }();
   return openmp;
+}
+
+// Sends idle helpers to sleep (see HelperPool::park); the next job wakes them.
+inline void park_helpers() { pool().park(); }
+
+// After an element-wise pass over more rows than a decode step has (prefill), torch's GEMM
+// comes next: park the helpers. Decode-shaped calls keep them spinning for the next kernel.
+inline void park_after(int64_t rows) {
+  if (rows > 16) park_helpers();
 }
 
 // Calls fn(begin, end) over [0, n) in chunks of at least `grain`, on all intra-op threads.

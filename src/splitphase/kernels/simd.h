@@ -1,5 +1,6 @@
-// AVX-512 loads shared by the kernels: 16 lanes of fp32 from fp32 or bf16 storage, and
-// masked tails. Only included where __AVX512F__/BW/VL are defined (-march=native).
+// AVX-512 pieces shared by the kernels: 16 lanes of fp32 from fp32 or bf16 storage, masked
+// tails, a four-way horizontal sum and exp. Only included where __AVX512F__/BW/VL are
+// defined (-march=native).
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -21,6 +22,38 @@ inline __m512 load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_p
 inline __m512 load_tail(const c10::BFloat16* p, int64_t n) {
   __m256i raw = _mm256_maskz_loadu_epi16(tail_mask(n), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// out[0..4) = horizontal sums of a0..a3, all four at once (a transpose-and-add tree instead of
+// four serial reductions). Every path reduces through here, so a row's sum has one order.
+inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
+  __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
+  __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));  // [s0 s1 s2 s3] x4
+  __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+
+// exp(x) as Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-7 polynomial for e^r,
+// scaled by 2^n (within 2 ulp of the true value over the clamped range).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+                    _mm512_set1_ps(88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
 }
 
 }  // namespace splitphase_simd

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "ops.h"
 #include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -30,19 +31,7 @@ constexpr int64_t kGrainRows = 16;
 #if SPLITPHASE_AVX512
 using splitphase_simd::load16;
 using splitphase_simd::load_tail;
-
-// out[0..4) = horizontal sums of a0..a3, all four at once (a transpose-and-add tree instead of
-// four serial reductions). Every path reduces through here, so a row's sum has one order.
-inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
-  __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
-  __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
-                           _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));  // [s0 s1 s2 s3] x4
-  __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
-}
+using splitphase_simd::reduce4;
 
 // out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
 // at once (more misses in flight than one row at a time), x loaded once for all four.
@@ -199,6 +188,10 @@ void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vec
   });
 }
 
+}  // namespace
+
+namespace splitphase_ops {
+
 // [x @ w.T for w in ws]: each output (rows, out_j) contiguous, one pass over every weight.
 std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
   check_inputs(x, ws);
@@ -216,12 +209,12 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
   return ys;
 }
 
-}  // namespace
+}  // namespace splitphase_ops
 
 TORCH_LIBRARY(splitphase, m) {
   m.def("skinny_linear(Tensor x, Tensor[] ws) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
-  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear", &splitphase_ops::skinny_linear);
 }

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitphase.kernels import elementwise
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Attention, SwiGLU
 from splitphase.model.moe import MoE
@@ -117,7 +118,7 @@ def split_rows(fn: Callable[..., torch.Tensor], n: int, *xs: torch.Tensor) -> to
 
 def swiglu_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, the arithmetic of `SwiGLU.intermediate`."""
-    return F.silu(gate) * up
+    return elementwise.silu_mul(gate, up)
 
 
 # ---------------------------------------------------------------- MoE pieces

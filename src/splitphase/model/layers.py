@@ -44,6 +44,14 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def residual(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, this norm of it): a residual add and the norm after it, one pass natively."""
+        fused = elementwise.add_rms_norm(x, r, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        s = x + r
+        return s, self(s)
+
 
 @dataclass(frozen=True)
 class RopeScaling:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitphase.kernels import elementwise
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import SwiGLU
 
@@ -51,7 +52,7 @@ class MoE(nn.Module):
         for expert in indices.unique().tolist():
             token_idx, slot = (indices == expert).nonzero(as_tuple=True)
             h = x[token_idx]  # (n, D)
-            u = F.silu(h @ self.gate[expert].T) * (h @ self.up[expert].T)  # (n, F_e)
+            u = elementwise.silu_mul(h @ self.gate[expert].T, h @ self.up[expert].T)  # (n, F_e)
             y = u @ self.down[expert].T  # (n, D)
             out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
         if self.shared is not None:

@@ -10,13 +10,14 @@ layers over its block tables.
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
 
-from splitphase.kernels import skinny
+from splitphase.kernels import decode_stack, skinny
 from splitphase.kernels.attention import decode_attention
+from splitphase.kernels.decode_stack import DecodePlan
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
     Attention,
@@ -148,13 +149,27 @@ class KVCache:
             return attn.attend(q, k_all, v_all, mask=None, causal=False)
         pool_k = self.k[layer_idx].flatten(0, 1)  # (B*T_max, G, D), row b at b*T_max
         pool_v = self.v[layer_idx].flatten(0, 1)
-        if self._decode_slots is None or self._decode_slots[0] != end:  # once per step
+        slots, lengths = self._step_slots(end)
+        out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
+        return out.flatten(1)[:, None]  # (B, 1, H*D)
+
+    def _step_slots(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool slots (B, S) of positions [0, end) of every row, and lengths (B,): once a step."""
+        if self._decode_slots is None or self._decode_slots[0] != end:
             batch, max_len = self.k.shape[1], self.k.shape[2]
             slots = torch.arange(end)[None] + torch.arange(batch)[:, None] * max_len  # (B, S)
             self._decode_slots = (end, slots, torch.full((batch,), end, dtype=torch.long))
-        _, slots, lengths = self._decode_slots
-        out = decode_attention(q[:, 0], pool_k, pool_v, slots, lengths)  # (B, H, D)
-        return out.flatten(1)[:, None]  # (B, 1, H*D)
+        return self._decode_slots[1], self._decode_slots[2]
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The pass in flight as pool slots when it feeds one token per row (else None)."""
+        if self._pending != 1 or self.k.device.type != "cpu":
+            return None
+        batch, max_len = self.k.shape[1], self.k.shape[2]
+        slots, lengths = self._step_slots(self.length + 1)
+        write = torch.arange(batch) * max_len + self.length  # (B,) row b's slot b*T_max + t
+        # (L, B*T_max, G, D) views: row b's positions are one pool's slots from b*T_max
+        return DecodePlan(self.k.flatten(1, 2), self.v.flatten(1, 2), write, slots, lengths)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         """Read-only attention over the stored K/V, including this pass's (see the protocol)."""
@@ -192,10 +207,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        x, h2 = self._attention(x, self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(h2)
+
+    def step(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: AttentionContext,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, D) and h = input_layernorm(x) -> (this layer's output, next_norm of it).
+
+        Each residual add rides in the norm that reads it (one pass instead of two).
+        """
+        x, h2 = self._attention(x, h, cos, sin, ctx)
+        return next_norm.residual(x, self.mlp(h2))
+
+    def _attention(
+        self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attention output, post_attention_layernorm of it)."""
         q, k, v = self.self_attn.project_qkv(h, cos, sin)
-        x = x + self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o = self.self_attn.o_proj(ctx.attend(self.layer_idx, self.self_attn, q, k, v))
+        return self.post_attention_layernorm.residual(x, o)
 
 
 class Transformer(nn.Module):
@@ -216,6 +254,10 @@ class Transformer(nn.Module):
             else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype)
         )
         self._rope_scaling = RopeScaling.of(cfg)
+        # The fused decode's weight list, built once: walking 100+ submodule attributes costs
+        # ~0.1 ms a step. load_state_dict and .to() keep the Parameter objects (the latter
+        # through _apply, which drops the list anyway).
+        self._decode_weight_list: list[torch.Tensor] | None = None
         self.apply(self._init_weights)
         # GPT-2's residual scaling keeps the residual stream's variance flat with depth.
         for name, p in self.named_parameters():
@@ -250,9 +292,59 @@ class Transformer(nn.Module):
         """Final-normed hidden states (B, T, D) for token ids (B, T)."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # (B, T, D)
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+        fused = self._fused_decode(x, cos, sin, ctx)
+        if fused is not None:
+            return fused
+        layers = cast(list[DecoderLayer], list(self.layers))
+        if not layers:
+            return self.norm(x)
+        h = layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, next_norm in zip(layers, norms, strict=True):
+            x, h = layer.step(x, h, cos, sin, ctx, next_norm)
+        return h
+
+    def _fused_decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor | None:
+        """All layers and the final norm in one native call when ctx runs a decode pass (one
+        token per row) of a dense model without QK-norm; None where the per-op path must run."""
+        plan_of = getattr(ctx, "decode_plan", None)
+        if plan_of is None or self.cfg.is_moe or self.cfg.qk_norm or not decode_stack.is_enabled():
+            return None
+        plan = plan_of()
+        flat = x.reshape(-1, x.shape[-1])  # (B, D): one token per row
+        c, s = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])  # (B or 1, D)
+        if plan is None or plan.write_slots.shape[0] != flat.shape[0] or c.shape[0] not in (
+            1, flat.shape[0]
+        ):
+            return None
+        weights = self._decode_weights()
+        if not self.layers or not decode_stack.usable(flat, [*weights, self.norm.weight], plan):
+            return None
+        out = decode_stack.decode_layers(
+            flat, weights, self.norm.weight, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
+        )
+        return out.view_as(x)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
+        self._decode_weight_list = None  # .to(), .float(), ...: parameters may be new tensors
+        return super()._apply(fn, recurse)
+
+    def _decode_weights(self) -> list[torch.Tensor]:
+        """Per layer, in decode_stack.cpp's order: norm, q, k, v, o, norm, gate, up, down."""
+        if self._decode_weight_list is None:
+            self._decode_weight_list = self._collect_decode_weights()
+        return self._decode_weight_list
+
+    def _collect_decode_weights(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            attn, mlp = layer.self_attn, cast(SwiGLU, layer.mlp)  # dense: checked by the caller
+            out += [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+                    attn.v_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head (tied or not): (..., D) -> (..., V)."""

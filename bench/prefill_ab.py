@@ -1,0 +1,80 @@
+"""Prefill A/B in one process: the fused element-wise passes against the unfused torch ones.
+
+"fused" is the model as it runs (residual add + RMSNorm in one native pass, SiLU*mul in
+one); "unfused" swaps in the torch arithmetic those passes replaced (`x + r` then the norm;
+`F.silu(g) * u`), everything else equal. Runs alternate, each figure is the best run; the
+FLOP fraction uses `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
+query-key pairs, the LM head at the last position) over torch's best linear rate at the
+model's shapes, measured in the same run. Nothing is asserted.
+
+    OMP_NUM_THREADS=2 python bench/prefill_ab.py --lengths 512 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from splitphase.audit.flops import prefill_flops
+from splitphase.kernels import elementwise
+from splitphase.model.config import ModelConfig
+from splitphase.model.transformer import Transformer
+from splitphase.perf.peaks import matmul_peak_flops_per_s
+
+
+@contextlib.contextmanager
+def _unfused() -> Iterator[None]:
+    """The arithmetic before the fusions: separate add and norm, SiLU then multiply."""
+    real = elementwise.silu_mul, elementwise.add_rms_norm
+    elementwise.silu_mul = lambda g, u: F.silu(g) * u  # type: ignore[assignment]
+    elementwise.add_rms_norm = lambda *a: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        elementwise.silu_mul, elementwise.add_rms_norm = real
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="base-125m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    print(f"threads {torch.get_num_threads()}, load before {os.getloadavg()}")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=args.dtype)).eval()
+    dtype = model.dtype
+    peak = matmul_peak_flops_per_s(model.cfg, dtype)["best"]
+    results: dict[int, dict[str, float]] = {}
+    for n in args.lengths:
+        ids = torch.randint(0, model.cfg.vocab_size, (1, n))
+        cache = model.new_cache(1, n)
+        best = {"fused": float("inf"), "unfused": float("inf")}
+        for r in range(args.rounds + 1):  # round 0 warms up and is not kept
+            for variant in best:
+                ctx = _unfused() if variant == "unfused" else contextlib.nullcontext()
+                with ctx:
+                    cache.length = 0
+                    t0 = time.perf_counter()
+                    model.prefill(ids, cache)
+                    if r:
+                        best[variant] = min(best[variant], time.perf_counter() - t0)
+            peak = max(peak, matmul_peak_flops_per_s(model.cfg, dtype, repeats=3)["best"])
+        results[n] = best
+    for n, best in results.items():  # fractions of the run's best peak
+        flops = prefill_flops(model.cfg, n)
+        print(f"prefill {n}: " + ", ".join(
+            f"{v} {1e3 * s:.1f} ms ({100 * flops / s / peak:.0f}% of matmul peak)"
+            for v, s in best.items()) + f"; unfused/fused {best['unfused'] / best['fused']:.3f}x")
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s (best of the run); load after {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""A decode pass through all decoder layers in one native call, or None (run the layers).
+
+At batch 1 the ~15 ops of a decoder layer each cost Python and dispatcher time comparable to
+their arithmetic on small activations; the native `decode_layers` runs the same kernels in
+the same order from C++, so its output is bit-identical to the per-op path (which stays the
+fallback and, with the native kernels off, the torch reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitphase.kernels import skinny
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where one single-token-per-row pass writes and reads K/V, as pool slots."""
+
+    k_cache: torch.Tensor  # (L, N, G, D): every layer's pool
+    v_cache: torch.Tensor  # (L, N, G, D)
+    write_slots: torch.Tensor  # (B,) slot of each row's new K/V
+    slots: torch.Tensor  # (B, S) context slots per row, the new one included (padded)
+    lengths: torch.Tensor  # (B,) real slots per row
+
+
+class _Switch:
+    """Process-wide on/off for the fused pass (benchmarks measure its effect)."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+
+_SWITCH = _Switch()
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the one-call decode pass on or off (the per-op path runs when off)."""
+    _SWITCH.on = on
+
+
+def is_enabled() -> bool:
+    """True when the fused pass is on and the native kernels are usable."""
+    return _SWITCH.on and skinny.is_enabled()
+
+
+def usable(x: torch.Tensor, weights: list[torch.Tensor], plan: DecodePlan) -> bool:
+    """Whether the native pass covers these tensors (CPU, fp32/bf16, no autograd)."""
+    if x.device.type != "cpu" or x.dtype not in skinny.MAX_ROWS or not is_enabled():
+        return False
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return False
+    tensors = [plan.k_cache, plan.v_cache, *weights]
+    return all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
+
+
+def decode_layers(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    final_norm: torch.Tensor,
+    plan: DecodePlan,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    n_heads: int,
+) -> torch.Tensor:
+    """x (B, d_model) through every layer (9 weights each, see decode_stack.cpp), writing
+    K/V into the plan's caches; cos/sin (B or 1, head_dim). Returns the final norm's output
+    (B, d_model)."""
+    return torch.ops.splitphase.decode_layers(
+        x, weights, final_norm, plan.k_cache, plan.v_cache, plan.write_slots, plan.slots,
+        plan.lengths, cos, sin, eps, skinny.MAX_ROWS[x.dtype], n_heads,
+    )

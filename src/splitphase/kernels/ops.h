@@ -1,0 +1,31 @@
+// The native ops as C++ functions, so a fused caller (decode_stack.cpp) runs exactly the same
+// arithmetic as the per-op path without going back through the dispatcher or Python.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
+
+namespace splitphase_ops {
+
+// [x @ w.T for w in ws] for x (rows <= 16, K); each weight (N_j, K) in x's dtype.
+std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws);
+
+// q (B, H, D) over k/v pools (N, G, D) at slots (B, S), first lengths[b] real -> (B, H, D).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& slots, const at::Tensor& lengths);
+
+// w * (x * rsqrt(mean(x^2) + eps)) over the last dim.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// (x + r, rms_norm(x + r)) in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps);
+
+// x (B, T, H, D) rotated by cos/sin (B or 1, T, D).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// silu(g) * u elementwise, each element independent of its position.
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u);
+
+}  // namespace splitphase_ops
