@@ -1,14 +1,19 @@
 """Server load sweep: `splitphase serve` against offline `LLM.generate`, side by side.
 
-For each concurrency level, `level` closed-loop clients (httpx.AsyncClient, one stream each at
-a time) send the same N greedy requests (a fixed prompt set, `max_tokens` tokens each with
-`ignore_eos`) to a server this script starts on 127.0.0.1. Client-side TTFT is the time from
-sending a request to its first SSE chunk (which carries the first token); ITL is the gap
-between consecutive chunks. The same N requests then run in-process through
-`LLM(model).generate` with `max_num_seqs=level`, the batch width the clients allow the server,
-and the table prints the server's throughput over offline's at each level (issue 10's target:
-overhead under 10% at concurrency 16). The clients share the machine with the server. Server
-and offline runs alternate (`--repeats`) and the fastest of each side is compared.
+For each concurrency level, `level` closed-loop clients (one keep-alive connection and one
+stream each at a time; `bench/sse_client.py`) send the same N greedy requests (a fixed prompt
+set, `max_tokens` tokens each with `ignore_eos`) to a server this script starts on 127.0.0.1.
+Client-side TTFT is the time from sending a request to its first SSE chunk (which carries the
+first token); ITL is the gap between consecutive chunks. The same N requests then run
+in-process through `LLM(model).generate` with `max_num_seqs=level`, the batch width the clients
+allow the server, and the table prints the server's throughput over offline's at each level
+(issue 10's target: overhead under 10% at concurrency 16). The clients share the machine with
+the server, so they do the least per chunk while streaming (they read one HTTP chunk and note
+its arrival time, on uvloop); events are parsed after each stream, and every completed text is
+still checked against the offline greedy text (`same text`). Server and offline runs alternate
+(`--repeats`) and the fastest of each side is compared. A second table gives CPU time per
+output token (server event loop, server engine threads, clients, offline engine), which,
+unlike tok/s, does not move with whatever else the machine runs.
 
     python bench/serve_load.py                        # embedded `small`, levels 1 4 16 64
     python bench/serve_load.py --quick                # random tiny checkpoint, levels 1 4
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,6 +32,8 @@ from pathlib import Path
 
 import httpx
 import torch
+import uvloop
+from sse_client import Connection
 
 from splitphase.engine.llm import LLM
 from splitphase.engine.sampling_params import SamplingParams
@@ -73,31 +81,27 @@ class Stream:
     error: str | None = None
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
-    """Send one streaming completion and time its chunks."""
+async def stream_one(conn: Connection, prompt: str, max_tokens: int) -> Stream:
+    """Send one streaming completion; time its chunks as they come, parse them afterwards."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     out, parts, last = Stream(), [], 0.0
-    t0 = time.perf_counter()
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            out.error = f"HTTP {resp.status_code}"
-            return out
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now, msg = time.perf_counter(), json.loads(line[6:])
-            if "error" in msg:
-                out.error = msg["error"]["message"]
-            elif msg["choices"]:
-                if out.ttft_s is None:
-                    out.ttft_s = now - t0
-                else:
-                    out.gaps_s.append(now - last)
-                last = now
-                parts += [c["text"] for c in msg["choices"]]
-            elif msg.get("usage"):
-                out.tokens = msg["usage"]["completion_tokens"]
+    raw = await conn.post("/v1/completions", body)
+    if raw.status != 200:
+        out.error = f"HTTP {raw.status}"
+        return out
+    for at_s, msg in raw.events():
+        if "error" in msg:
+            out.error = msg["error"]["message"]
+        elif msg["choices"]:
+            if out.ttft_s is None:
+                out.ttft_s = at_s - raw.sent_s
+            else:
+                out.gaps_s.append(at_s - last)
+            last = at_s
+            parts += [c["text"] for c in msg["choices"]]
+        elif msg.get("usage"):
+            out.tokens = msg["usage"]["completion_tokens"]
     out.text = "".join(parts)
     return out
 
@@ -107,24 +111,56 @@ async def closed_loop(url: str, work: list[str], level: int, max_tokens: int,
     """`level` clients drain the work list; none starts a request after the deadline."""
     results: list[Stream | None] = [None] * len(work)
     todo = iter(range(len(work)))
-    limits = httpx.Limits(max_connections=level + 4)
-    async with httpx.AsyncClient(timeout=deadline_s + 60, limits=limits) as client:
-        t0 = time.perf_counter()
+    host, port = httpx.URL(url).host, httpx.URL(url).port or 80
+    conns = [Connection(host, port) for _ in range(level)]
+    t0 = time.perf_counter()
 
-        async def client_loop() -> None:
-            for i in todo:  # one shared iterator: each index goes to exactly one client
-                if time.perf_counter() - t0 > deadline_s:
-                    return
-                results[i] = await stream_one(client, url, work[i], max_tokens)
+    async def client_loop(conn: Connection) -> None:
+        for i in todo:  # one shared iterator: each index goes to exactly one client
+            if time.perf_counter() - t0 > deadline_s:
+                return
+            results[i] = await stream_one(conn, work[i], max_tokens)
 
-        await asyncio.gather(*(client_loop() for _ in range(level)))
+    try:
+        await asyncio.gather(*(client_loop(c) for c in conns))
         return time.perf_counter() - t0, results
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+def thread_cpu_s(pid: int) -> tuple[float, float] | None:
+    """CPU seconds of a process so far: (its main thread, all its other threads); Linux only.
+
+    The server's main thread runs the event loop (HTTP, SSE); the others are the engine thread
+    and the tokenizer's worker threads.
+    """
+    tick_per_s, main_s, other_s = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu_s = (int(fields[11]) + int(fields[12])) / tick_per_s  # utime + stime
+            if int(tid) == pid:
+                main_s += cpu_s
+            else:
+                other_s += cpu_s
+    except OSError:
+        return None
+    return main_s, other_s
 
 
 def run_server_level(url: str, work: list[str], level: int, max_tokens: int,
-                     deadline_s: float) -> tuple[dict, dict[int, str]]:
+                     deadline_s: float,
+                     server_pid: int | None = None) -> tuple[dict, dict[int, str]]:
     """One level against the server: its summary and each completed request's text."""
-    wall, results = asyncio.run(closed_loop(url, work, level, max_tokens, deadline_s))
+    cpu0 = thread_cpu_s(server_pid) if server_pid is not None else None
+    client0_s = time.process_time()
+    # The clients' own loop on uvloop too: less of the shared cores goes to the clients.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        wall, results = runner.run(closed_loop(url, work, level, max_tokens, deadline_s))
+    client_s = time.process_time() - client0_s
+    cpu1 = thread_cpu_s(server_pid) if server_pid is not None else None
     done = [r for r in results if r is not None and r.error is None]
     res = summary(wall, len(done), sum(r.tokens for r in done),
                   [r.ttft_s for r in done if r.ttft_s is not None],
@@ -133,6 +169,13 @@ def run_server_level(url: str, work: list[str], level: int, max_tokens: int,
     res["tokens_per_chunk"] = res["output_tokens"] / chunks if chunks else None
     res["errors"] = sum(1 for r in results if r is not None and r.error is not None)
     res["not_started"] = sum(1 for r in results if r is None)
+    tokens = max(1, res["output_tokens"])
+    # CPU per token does not depend on what else the machine runs (unlike tok/s): it says
+    # where the server's extra work goes.
+    res["client_cpu_us_per_tok"] = 1e6 * client_s / tokens
+    if cpu0 is not None and cpu1 is not None:
+        res["event_loop_cpu_us_per_tok"] = 1e6 * (cpu1[0] - cpu0[0]) / tokens
+        res["engine_cpu_us_per_tok"] = 1e6 * (cpu1[1] - cpu0[1]) / tokens
     return res, {i: r.text for i, r in enumerate(results) if r is not None and r.error is None}
 
 
@@ -141,12 +184,13 @@ def run_offline_level(model: Transformer, tok: Tokenizer, policy: str, work: lis
     """The same requests through `LLM.generate`, at most `level` running at once."""
     llm = LLM(model, tok, policy=policy, max_num_seqs=level)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, cpu0_s = time.perf_counter(), time.process_time()
     outs = llm.generate(work, params)
-    wall = time.perf_counter() - t0
+    wall, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0_s
     res = summary(wall, len(outs), sum(len(o.token_ids) for o in outs),
                   [o.timings.ttft_s for o in outs if o.timings.ttft_s is not None],
                   [g for o in outs for g in o.timings.inter_token_s])
+    res["engine_cpu_us_per_tok"] = 1e6 * cpu_s / max(1, res["output_tokens"])
     return res, [o.text for o in outs]
 
 
@@ -182,6 +226,18 @@ def print_table(rows: list[dict]) -> None:
               f"{itl:>15} {_ms(o['itl_p50_s']):>14} {r['text_match_frac']:>5.2f}")
 
 
+def print_cpu_table(rows: list[dict]) -> None:
+    """CPU microseconds per output token, by where they were spent (the kept runs)."""
+    print(f"{'conc':>4} {'srv loop us/tok':>15} {'srv engine us/tok':>17} "
+          f"{'clients us/tok':>14} {'off engine us/tok':>17}")
+    for r in rows:
+        s, o = r["server"], r["offline"]
+        loop, engine = s.get("event_loop_cpu_us_per_tok"), s.get("engine_cpu_us_per_tok")
+        print(f"{r['level']:>4} {'-' if loop is None else f'{loop:.0f}':>15} "
+              f"{'-' if engine is None else f'{engine:.0f}':>17} "
+              f"{s['client_cpu_us_per_tok']:>14.0f} {o['engine_cpu_us_per_tok']:>17.0f}")
+
+
 def sweep(args: argparse.Namespace, model_name: str) -> dict:
     """Start the server, run every level there and offline, return the JSON document."""
     device = pick_device(args.device)
@@ -192,7 +248,9 @@ def sweep(args: argparse.Namespace, model_name: str) -> dict:
     serve_args = ["--model", model_name, "--policy", args.policy, "--device", str(device),
                   "--max-num-seqs", str(max(args.levels)), "--hardware", args.hardware]
     rows = []
-    with ServerProcess(serve_args, host="127.0.0.1") as url:
+    server = ServerProcess(serve_args, host="127.0.0.1")
+    with server as url:
+        pid = server.proc.pid if server.proc is not None else None
         run_server_level(url, work[:2], 1, args.max_tokens, args.level_timeout_s)  # warm-up
         run_offline_level(model, tok, args.policy, work[:2], 1, args.max_tokens)
         for level in args.levels:
@@ -201,7 +259,7 @@ def sweep(args: argparse.Namespace, model_name: str) -> dict:
             srv_runs, off_runs = [], []
             for _ in range(args.repeats):
                 srv_runs.append(run_server_level(url, work, level, args.max_tokens,
-                                                 args.level_timeout_s))
+                                                 args.level_timeout_s, pid))
                 done = sorted(srv_runs[-1][1])  # offline runs the requests the server finished
                 off, off_texts = run_offline_level(model, tok, args.policy,
                                                    [work[i] for i in done], level,
@@ -252,6 +310,7 @@ def main() -> None:
         doc = sweep(args, model_name)
         doc["total_s"] = time.perf_counter() - t0
     print_table(doc["levels"])
+    print_cpu_table(doc["levels"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

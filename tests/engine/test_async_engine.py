@@ -82,3 +82,49 @@ def test_failing_forward_errors_its_requests_then_serves_next(async_engine, monk
     final = asyncio.run(main())
     assert final.finished and len(final.token_ids) == 8
     assert async_engine.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_generate_all_merges_prompts_on_one_stream(async_engine, tiny_model):
+    prompts = [[0, *range(5, 5 + n)] for n in (3, 12, 30)]
+    rids = ["m-0", "m-1", "m-2"]
+
+    async def main():
+        finals = {}
+        async for out in async_engine.generate_all(prompts, GREEDY, rids):
+            assert out.request_id not in finals  # nothing after a request's final output
+            if out.finished:
+                finals[out.request_id] = out
+        return finals
+
+    finals = asyncio.run(main())
+    assert [finals[r].token_ids for r in rids] == [tiny_model.generate(p, 8) for p in prompts]
+    assert async_engine.num_in_flight == 0
+
+
+def test_generate_all_adds_all_or_none(async_engine):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)  # would still run when checked
+
+    async def main():
+        with pytest.raises(UserError, match="context length"):
+            await anext(async_engine.generate_all([[0, 5, 6], [1] * 300], long, ["ok", "big"]))
+        # The request added before the bad one was taken back.
+        return async_engine.engine.has_unfinished_requests()
+
+    assert asyncio.run(main()) is False
+    assert async_engine.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_generate_all_stopping_early_aborts_every_prompt(async_engine):
+    params = SamplingParams(max_tokens=200, ignore_eos=True, n=2)
+
+    async def main():
+        agen = async_engine.generate_all([[0, 5, 6], [0, 7, 8, 9]], params, ["s-0", "s-1"])
+        await anext(agen)
+        await agen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not async_engine.engine.has_unfinished_requests():
+                return async_engine.engine.scheduler.block_manager.num_used_blocks
+        return -1
+
+    assert asyncio.run(main()) == 0

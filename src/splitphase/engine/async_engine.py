@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -127,19 +127,44 @@ class AsyncEngine:
         result: T = await self._call(fn)
         return result
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
         prompt_logprobs: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until it finishes (aborts it if the caller stops)."""
+        return self.generate_all([prompt], params, [request_id], prompt_logprobs)
+
+    async def generate_all(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        request_ids: Sequence[str],
+        prompt_logprobs: int | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Add one request per prompt; yield all their outputs, merged in step order, until
+        every one finished (the unfinished are aborted if the caller stops).
+
+        One queue serves them all, so the caller awaits one queue, with no task per prompt in
+        between: every hop per token lengthens the engine's steps (they share the GIL).
+        """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        rids = [request_id] + [f"{request_id}#{k}" for k in range(1, params.n)]
+        rids = {rid: parent for parent in request_ids
+                for rid in [parent, *(f"{parent}#{k}" for k in range(1, params.n))]}
 
         def add() -> None:
-            self.engine.add_request(prompt, params, request_id, prompt_logprobs=prompt_logprobs)
+            added: list[str] = []
+            try:
+                for prompt, parent in zip(prompts, request_ids, strict=True):
+                    self.engine.add_request(prompt, params, parent,
+                                            prompt_logprobs=prompt_logprobs)
+                    added.append(parent)
+            except BaseException:
+                for parent in added:  # all or none: a bad prompt must not leave the others
+                    self.engine.abort_request(parent)
+                raise
             for rid in rids:
                 self._streams[rid] = stream
 
@@ -154,8 +179,8 @@ class AsyncEngine:
                     pending.discard(item.request_id)
                 yield item
         finally:
-            if pending:
-                self.abort(request_id)
+            for parent in sorted({rids[rid] for rid in pending}):
+                self.abort(parent)
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; blocks are freed on the engine thread before the next step."""
@@ -223,10 +248,7 @@ class AsyncEngine:
             self.last_step_s = time.monotonic()
             # Step records first: a client that sees its last token also sees its step counted.
             self._publish_steps()
-            for out in outputs:
-                self._deliver(out.request_id, out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+            self._deliver_step(outputs)
 
     def _publish_steps(self) -> None:
         """Hand new StepRecords to `on_steps`, then trim `engine.steps` to `max_step_records`."""
@@ -242,6 +264,23 @@ class AsyncEngine:
         if self.max_step_records is not None and len(steps) > self.max_step_records:
             del steps[: len(steps) - self.max_step_records]
         self._steps_seen = len(steps)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop, not one per request:
+        each `call_soon_threadsafe` writes to the loop's self-pipe and costs a loop iteration."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                for _, out in batch:
+                    self._streams.pop(out.request_id, None)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)
@@ -271,3 +310,9 @@ class AsyncEngine:
                 log.exception("abort of %s failed", rid)
             self._deliver(rid, exc)
             self._streams.pop(rid, None)
+
+
+def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On the event loop: one step's outputs into their streams."""
+    for stream, out in batch:
+        stream.queue.put_nowait(out)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from splitphase.engine.sampling_params import MAX_LOGPROBS
 from splitphase.server.chat import message_dicts
+from splitphase.server.chunks import chat_template
 from splitphase.server.errors import bad_request
 from splitphase.server.generation import Event, Generation, map_engine_error
 from splitphase.server.logprobs import TokenText, chat_logprobs
@@ -113,9 +114,17 @@ def _usage(gen: Generation, completion_tokens: int | None = None) -> Usage:
 async def _stream(gen: Generation, rid: str, created: int, model: str, tokens: TokenText,
                   top: int | None, include_usage: bool) -> AsyncIterator[str]:
     completion_tokens = 0
+    # Without logprobs a chunk is index, text and finish reason: fill a template (see chunks).
+    fast = (chat_template(rid, created, model, first=True),
+            chat_template(rid, created, model, first=False)) if top is None else None
     try:
         async for ev in gen.events():
             completion_tokens += len(ev.new_token_ids)
+            out = ev.output
+            if fast is not None:
+                yield fast[0 if ev.first else 1].render(
+                    ev.seq.index, out.delta, out.finish_reason if out.finished else None)
+                continue
             choice = _chunk_choice(ev, tokens, top)
             yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
     except Exception as exc:  # the failure of a started stream is an `error` event

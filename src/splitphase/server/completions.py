@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from splitphase.server.chunks import completion_template
 from splitphase.server.errors import APIError
 from splitphase.server.generation import Event, Generation, map_engine_error
 from splitphase.server.logprobs import (
@@ -132,8 +133,17 @@ async def _stream(state: ServerState, job: _Job, gen: Generation,
                   include_usage: bool) -> AsyncIterator[str]:
     completion_tokens = 0
     sent_chars: dict[int, int] = {}  # per choice: text_offset continues across chunks
+    # Without logprobs a chunk is index, text and finish reason: fill a template (see chunks).
+    fast = completion_template(job.rid, job.created, job.model) if job.logprobs is None \
+        else None
     try:
         async for ev in gen.events():
+            if fast is not None:
+                completion_tokens += 0 if job.score_only else len(ev.new_token_ids)
+                out = ev.output
+                yield fast.render(ev.seq.index, _chunk_text(job, ev),
+                                  out.finish_reason if out.finished else None)
+                continue
             choice = await _chunk_choice(state, job, ev, sent_chars.get(ev.seq.index, 0))
             sent_chars[ev.seq.index] = sent_chars.get(ev.seq.index, 0) + len(choice.text)
             completion_tokens += 0 if job.score_only else len(ev.new_token_ids)
@@ -154,10 +164,8 @@ async def _chunk_choice(state: ServerState, job: _Job, ev: Event,
                         offset: int) -> CompletionChoice:
     p, out = ev.seq.prompt_index, ev.output
     new_ids = [] if job.score_only else ev.new_token_ids
-    text = "" if job.score_only else out.delta
+    text = _chunk_text(job, ev)
     echo_now = job.echo and ev.first
-    if echo_now:  # the prompt rides on the first chunk, which also carries the first token
-        text = job.texts[p] + text
     logprobs = None
     if job.logprobs is not None:
         prompt_lps = await _prompt_logprobs(state, job, p, out.prompt_logprobs) if echo_now \
@@ -169,3 +177,10 @@ async def _chunk_choice(state: ServerState, job: _Job, ev: Event,
     return CompletionChoice(index=ev.seq.index, text=text, logprobs=logprobs,
                             finish_reason=out.finish_reason if out.finished else None)
 
+
+
+def _chunk_text(job: _Job, ev: Event) -> str:
+    text = "" if job.score_only else ev.output.delta
+    if job.echo and ev.first:  # the prompt rides on the first chunk, with the first token
+        return job.texts[ev.seq.prompt_index] + text
+    return text

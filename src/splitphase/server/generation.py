@@ -7,10 +7,9 @@ client that goes away frees its KV blocks before the engine's next step.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from splitphase.engine.async_engine import EngineDeadError, EngineStepError
@@ -22,8 +21,6 @@ from splitphase.errors import UserError
 from splitphase.server.errors import APIError, bad_request
 from splitphase.server.protocol import Timings
 from splitphase.server.state import RETRY_AFTER_S, ServerState
-
-_END = object()  # a prompt's stream is done
 
 
 @dataclass
@@ -61,7 +58,7 @@ class Generation:
         self.params, self.prompt_logprobs = params, prompt_logprobs
         n = params.n
         self.seqs = {(p, k): SeqState(p * n + k, p) for p in range(len(prompts)) for k in range(n)}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._outputs: AsyncGenerator[RequestOutput, None] | None = None
         self._admitted = False
         self._closed = False
         self._error: BaseException | None = None
@@ -96,37 +93,20 @@ class Generation:
         """Yield outputs as the engine produces them, until every sequence finished."""
         if not self._admitted:
             self.admit()
-        inbox: asyncio.Queue[object] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(p, inbox)) for p in range(len(self.prompts))]
-        ended = 0
-        while ended < len(self.prompts):
-            item = await inbox.get()
-            if item is _END:
-                ended += 1
-            elif isinstance(item, BaseException):
-                self._error = item
-                raise map_engine_error(item)
-            else:
-                assert isinstance(item, tuple)
-                yield self._event(*item)
-
-    async def _pump(self, p: int, inbox: asyncio.Queue[object]) -> None:
-        rid = f"{self.request_id}-{p}"
+        rids = [f"{self.request_id}-{p}" for p in range(len(self.prompts))]
+        self._outputs = self.state.engine.generate_all(self.prompts, self.params, rids,
+                                                       self.prompt_logprobs)
         try:
-            async for out in self.state.engine.generate(
-                self.prompts[p], self.params, rid, self.prompt_logprobs
-            ):
-                inbox.put_nowait((p, out))
-        except asyncio.CancelledError:
-            raise  # close(): the engine generator's own cleanup aborts the request
+            async for out in self._outputs:
+                yield self._event(out)
         except Exception as exc:
-            inbox.put_nowait(exc)
-            return
-        inbox.put_nowait(_END)
+            self._error = exc
+            raise map_engine_error(exc) from exc
 
-    def _event(self, p: int, out: RequestOutput) -> Event:
-        k = int(out.request_id.rsplit("#", 1)[1]) if "#" in out.request_id else 0
-        seq = self.seqs[(p, k)]
+    def _event(self, out: RequestOutput) -> Event:
+        parent, _, k = out.request_id.partition("#")
+        p = int(parent.rsplit("-", 1)[1])
+        seq = self.seqs[(p, int(k) if k else 0)]
         first = seq.last is None
         if p not in self._prefilled:
             self._prefilled.add(p)
@@ -147,11 +127,11 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._outputs is not None:
+            # Its cleanup aborts what is unfinished. RuntimeError: a cancelled consumer is
+            # still inside it, and its cancellation runs the same cleanup.
+            with contextlib.suppress(RuntimeError):
+                await self._outputs.aclose()
         if not self._admitted:
             return
         reason = "error" if self._error is not None else "abort"
