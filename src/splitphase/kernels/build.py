@@ -9,11 +9,13 @@ builds ahead of time (`make kernels`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,8 +29,12 @@ _NAME = "splitphase_kernels"
 
 
 def source_digest() -> str:
-    """Hash of every source and header: torch's loader only notices changed sources."""
-    h = hashlib.sha256()
+    """Hash of every source and header, and of where they live.
+
+    Torch's loader only notices changed sources, and its ninja file names them by absolute
+    path, so two checkouts sharing one directory would rebuild over each other.
+    """
+    h = hashlib.sha256(str(HERE.resolve()).encode())
     for path in SOURCES + HEADERS:
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
@@ -78,20 +84,30 @@ def _try_load() -> KernelStatus:
 
         path = build_dir() / source_digest()
         path.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=_NAME,
-            sources=[str(p) for p in SOURCES],
-            extra_include_paths=[str(HERE)],
-            # fp-contract off: the portable path must not fuse a*b+c differently per call site.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(path),
-            is_python_module=False,
-            verbose=False,
-        )
+        with open(path / "splitphase.lock", "w") as held:
+            # The OS drops a flock when its holder dies; torch's own `lock` file stays behind
+            # when a build is killed, and every later load then waits on it forever. Holding
+            # the flock, any such file is stale.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (path / "lock").unlink(missing_ok=True)
+            _compile_and_load(cpp_extension, path)
     except Exception as exc:  # no compiler, no headers, a failed link: torch fallback
         return KernelStatus(False, f"build failed: {type(exc).__name__}: {str(exc)[:300]}")
     return KernelStatus(True, f"built in {build_dir() / source_digest()}")
+
+
+def _compile_and_load(cpp_extension: Any, path: Path) -> None:
+    cpp_extension.load(
+        name=_NAME,
+        sources=[str(p) for p in SOURCES],
+        extra_include_paths=[str(HERE)],
+        # fp-contract off: the portable path must not fuse a*b+c differently per call site.
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(path),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def status() -> KernelStatus:
