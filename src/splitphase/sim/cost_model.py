@@ -21,7 +21,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import attrgetter
 from pathlib import Path
 
 from splitphase.audit.flops import kv_bytes_per_token, param_count
@@ -44,8 +43,6 @@ DEFAULT_FLOPS_FRACTION = 0.5
 DEFAULT_BANDWIDTH_FRACTION = 0.6
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 DEFAULT_MEMORY_FRACTION = 0.9  # of device memory usable for weights + KV (vLLM's default)
-
-_context_len = attrgetter("context_len")
 
 
 class CostModelError(UserError):
@@ -178,10 +175,10 @@ class CostModel:
         """Time of one scheduled step (equal to `step_time` of its chunks and decodes)."""
         chunks = [(c.num_tokens, c.start) for c in out.prefill]
         if self._dense is None:
-            return self.step_time(chunks, [d.context_len - 1 for d in out.decode])
-        num_decodes = len(out.decode)
-        cached = sum(map(_context_len, out.decode)) - num_decodes
-        return self._time_of(self._dense.work(chunks, num_decodes, cached))
+            return self.step_time(chunks, out.decode.positions)
+        return self._time_of(
+            self._dense.work(chunks, len(out.decode), out.decode.num_cached_tokens)
+        )
 
     @cached_property
     def _dense(self) -> DenseStepWork | None:
