@@ -49,6 +49,9 @@ def test_step_time_of_an_output_equals_step_time_of_its_parts(tp: int) -> None:
             _decodes(lens), (), (), (), 16,
         )
         assert cm.step_time_of(out) == cm.step_time(chunks, lens)
+        if lens:  # the decode-only fast path agrees with the general one
+            dec = SchedulerOutput(i, (), _decodes(lens), (), (), (), 16)
+            assert cm.step_time_of(dec) == cm.step_time([], lens)
 
 
 def test_moe_and_dual_flow_keep_the_general_path() -> None:
