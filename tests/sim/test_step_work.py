@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from splitphase.engine.policies import ScheduledChunk, ScheduledDecode, SchedulerOutput
+from splitphase.engine.policies import DecodeBatch, ScheduledChunk, SchedulerOutput
 from splitphase.hardware.specs import get_hardware
 from splitphase.model.config import ModelConfig
 from splitphase.sim.cost_model import CostModel
@@ -35,15 +35,23 @@ def test_dense_closed_form_equals_the_general_formulas_bit_for_bit(
         assert dense.work(chunks, len(lens), sum(lens)) == step_work(cfg, chunks, lens, dtype_bytes)
 
 
+def _decodes(cached_lens: list[int]) -> DecodeBatch:
+    n = len(cached_lens)
+    return DecodeBatch(("d",) * n, tuple(cached_lens), (0,) * n, ((),) * n)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_step_time_of_an_output_equals_step_time_of_its_parts(tp: int) -> None:
     cm = CostModel(DENSE[2], get_hardware("h100-sxm"), tp)
     for i, (chunks, lens) in enumerate(_batches(10 + tp, 300)):
         out = SchedulerOutput(
             i, tuple(ScheduledChunk("c", b, n, False, 0, (), ()) for n, b in chunks),
-            tuple(ScheduledDecode("d", t + 1, 0, ()) for t in lens), (), (), (), 16,
+            _decodes(lens), (), (), (), 16,
         )
         assert cm.step_time_of(out) == cm.step_time(chunks, lens)
+        if lens:  # the decode-only fast path agrees with the general one
+            dec = SchedulerOutput(i, (), _decodes(lens), (), (), (), 16)
+            assert cm.step_time_of(dec) == cm.step_time([], lens)
 
 
 def test_moe_and_dual_flow_keep_the_general_path() -> None:
@@ -51,5 +59,5 @@ def test_moe_and_dual_flow_keep_the_general_path() -> None:
         DenseStepWork(ModelConfig.from_name("tiny-moe"), 2)
     cm = CostModel(ModelConfig.from_name("mixtral-8x7b"), get_hardware("h100-sxm"), 2)
     out = SchedulerOutput(0, (ScheduledChunk("c", 0, 512, True, 1, (), ()),),
-                          (ScheduledDecode("d", 900, 0, ()),), (), (), (), 16)
+                          _decodes([899]), (), (), (), 16)
     assert cm.step_time_of(out) == cm.step_time([(512, 0)], [899])

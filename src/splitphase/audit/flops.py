@@ -96,13 +96,13 @@ class _Work:
 # ---------------------------------------------------------------- parameter counts
 
 
-def _attn_matmul_params(cfg: ModelConfig) -> tuple[int, int, int]:
+def attn_matmul_params(cfg: ModelConfig) -> tuple[int, int, int]:
     """(Pq, Pkv, Po) per layer: the query, key+value and output projections."""
     d_model = cfg.d_model
     return d_model * cfg.q_dim, 2 * d_model * cfg.kv_dim, cfg.q_dim * d_model
 
 
-def _mlp_params(cfg: ModelConfig, routed: float) -> float:
+def mlp_params(cfg: ModelConfig, routed: float) -> float:
     """MLP parameters per layer with `routed` experts (SwiGLU: 3 matrices; MoE adds a router)."""
     if not cfg.is_moe:
         return 3 * cfg.d_model * cfg.d_ff
@@ -110,7 +110,8 @@ def _mlp_params(cfg: ModelConfig, routed: float) -> float:
     return per_expert * (routed + cfg.n_shared_experts) + cfg.d_model * cfg.n_experts
 
 
-def _norm_params_per_layer(cfg: ModelConfig) -> int:
+def norm_params_per_layer(cfg: ModelConfig) -> int:
+    """RMSNorm weights per layer: two of d_model, plus the q/k norms' head_dim each if used."""
     return 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0)
 
 
@@ -139,8 +140,8 @@ def _non_layer_params(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
     """All parameters: embeddings, every expert, router, shared experts, norms, Dual-Flow extras."""
-    pq, pkv, po = _attn_matmul_params(cfg)
-    per_layer = pq + pkv + po + _norm_params_per_layer(cfg) + _mlp_params(cfg, cfg.n_experts)
+    pq, pkv, po = attn_matmul_params(cfg)
+    per_layer = pq + pkv + po + norm_params_per_layer(cfg) + mlp_params(cfg, cfg.n_experts)
     return int(cfg.n_layers * per_layer) + _non_layer_params(cfg)
 
 
@@ -198,15 +199,15 @@ def _decode_work(cfg: ModelConfig, context_lens: Sequence[int]) -> _Work:
 
 
 def _flops(cfg: ModelConfig, work: _Work) -> float:
-    pq, pkv, po = _attn_matmul_params(cfg)
+    pq, pkv, po = attn_matmul_params(cfg)
     layers, attn_per_pair = cfg.n_layers, 4 * cfg.q_dim  # QK^T and AV: 2*H*d each
     head = 2 * cfg.d_model * cfg.vocab_size
-    pri = 2 * layers * (pq + pkv + po + _mlp_params(cfg, cfg.top_k)) * work.pri_rows
+    pri = 2 * layers * (pq + pkv + po + mlp_params(cfg, cfg.top_k)) * work.pri_rows
     pri += layers * attn_per_pair * work.pri_pairs + head * work.pri_logits
     if not work.aux_rows:
         return float(pri)
     # The aux flow skips the K/V projections unless it attends its own K/V (aux_self_kv).
-    aux_block = pq + po + _mlp_params(cfg, cfg.aux_k) + (pkv if cfg.aux_self_kv else 0)
+    aux_block = pq + po + mlp_params(cfg, cfg.aux_k) + (pkv if cfg.aux_self_kv else 0)
     aux = 2 * layers * aux_block * work.aux_rows
     aux += layers * attn_per_pair * work.aux_pairs + head * work.aux_rows
     return float(pri + aux)
@@ -229,9 +230,9 @@ def expected_distinct_experts(cfg: ModelConfig, primary_tokens: int, aux_tokens:
 
 
 def _weight_bytes(cfg: ModelConfig, work: _Work, dtype_bytes: int) -> float:
-    pq, pkv, po = _attn_matmul_params(cfg)
+    pq, pkv, po = attn_matmul_params(cfg)
     distinct = expected_distinct_experts(cfg, work.pri_rows, work.aux_rows)
-    per_layer = pq + pkv + po + _norm_params_per_layer(cfg) + _mlp_params(cfg, distinct)
+    per_layer = pq + pkv + po + norm_params_per_layer(cfg) + mlp_params(cfg, distinct)
     head = cfg.vocab_size * cfg.d_model  # the LM head is read in full (tied or not)
     params = cfg.n_layers * per_layer + head + cfg.d_model + coupling_param_count(cfg)
     rows = work.pri_rows + work.aux_rows  # one embedding row per token and flow

@@ -107,6 +107,13 @@ class BlockManager:
             snapshot = self._snapshots[request_id] = tuple(self._table(request_id))
         return snapshot
 
+    def block_tables(self, request_ids: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """`block_table` of each id, in order (one call per step for a whole decode batch)."""
+        tables = tuple(map(self._snapshots.get, request_ids))
+        if None not in tables:  # a table is never empty, so None only marks a missing snapshot
+            return tables  # type: ignore[return-value]
+        return tuple([self.block_table(rid) for rid in request_ids])
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` token positions."""
         return _cdiv(num_tokens, self.block_size)

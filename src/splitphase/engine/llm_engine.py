@@ -255,7 +255,7 @@ class LLMEngine:
     def _fail_step(self, out: SchedulerOutput) -> list[str]:
         """End every request of a failed step with an error and close the step."""
         now = time.perf_counter()
-        ids = [c.request_id for c in out.prefill] + [d.request_id for d in out.decode]
+        ids = [c.request_id for c in out.prefill] + list(out.decode.request_ids)
         for rid in ids:
             self.scheduler.abort_request(rid, now, RequestStatus.FINISHED_ERROR)
             self._tracked.pop(rid, None)
@@ -323,7 +323,7 @@ class LLMEngine:
         cost = step_cost(
             self.model.cfg,
             [(c.num_tokens, c.start) for c in out.prefill],
-            [d.context_len - 1 for d in out.decode],
+            out.decode.positions,
             self.dtype_bytes,
         )
         self.steps.append(

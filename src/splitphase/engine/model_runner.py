@@ -84,15 +84,14 @@ class ModelRunner:
             lay.prefills.append((rows, ctx))
             if c.request_id in want_prompt:
                 lay.prompt_rows[c.request_id] = rows
-        for d in out.decode:
-            ctx = self.cache.slots(d.block_table, 0, d.context_len)
-            lay.ids[tail], lay.positions[tail], lay.write_slots[tail] = (
-                d.token_id,
-                d.position,
-                int(ctx[-1]),
-            )
+        dec = out.decode
+        for rid, pos, tok, table in zip(
+            dec.request_ids, dec.positions, dec.token_ids, dec.block_tables, strict=True
+        ):
+            ctx = self.cache.slots(table, 0, pos + 1)
+            lay.ids[tail], lay.positions[tail], lay.write_slots[tail] = tok, pos, int(ctx[-1])
             tail += 1
-            lay.sample_ids.append(d.request_id)
+            lay.sample_ids.append(rid)
             lay.sample_contexts.append(ctx)
         return lay
 

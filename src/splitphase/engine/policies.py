@@ -13,7 +13,9 @@ into a `SchedulerOutput` with `build_output`. The building blocks of the plans:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from splitphase.engine.block_manager import BlockManager
@@ -38,7 +40,7 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class ScheduledDecode:
     """One decode token: feed `token_id` at position context_len - 1, attend over context_len."""
 
@@ -47,22 +49,48 @@ class ScheduledDecode:
     token_id: int
     block_table: tuple[int, ...]
 
-    def __init__(
-        self, request_id: str, context_len: int, token_id: int, block_table: tuple[int, ...]
-    ) -> None:
-        # One per decoding request per step: filling __dict__ in one call costs a third less
-        # than the frozen dataclass __init__'s four object.__setattr__ calls; still frozen.
-        self.__dict__.update(
-            request_id=request_id,
-            context_len=context_len,
-            token_id=token_id,
-            block_table=block_table,
-        )
-
     @property
     def position(self) -> int:
         """Position of the fed token."""
         return self.context_len - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """A step's decodes as columns: row i feeds token_ids[i] at positions[i] of request_ids[i].
+
+    Row i attends over [0, positions[i] + 1) under block_tables[i]. Columns rather than one
+    `ScheduledDecode` per request: a step decodes every running request, so per-row objects
+    were a fifth of the scheduler's time, and the runner and the cost model read whole columns
+    anyway. Iterating (or indexing) still yields `ScheduledDecode` rows.
+    """
+
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]  # num_computed_tokens: the cached tokens each row attends over
+    token_ids: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self) -> Iterator[ScheduledDecode]:
+        for rid, pos, tok, table in zip(
+            self.request_ids, self.positions, self.token_ids, self.block_tables, strict=True
+        ):
+            yield ScheduledDecode(rid, pos + 1, tok, table)
+
+    def __getitem__(self, i: int) -> ScheduledDecode:
+        return ScheduledDecode(
+            self.request_ids[i], self.positions[i] + 1, self.token_ids[i], self.block_tables[i]
+        )
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """KV positions read by the batch's attention, besides the fed tokens themselves."""
+        return sum(self.positions)
+
+
+EMPTY_DECODES = DecodeBatch((), (), (), ())
 
 
 @dataclass(frozen=True)
@@ -81,7 +109,7 @@ class SchedulerOutput:
 
     step_id: int
     prefill: tuple[ScheduledChunk, ...]
-    decode: tuple[ScheduledDecode, ...]
+    decode: DecodeBatch
     preempted_request_ids: tuple[str, ...]
     block_copies: tuple[tuple[int, int], ...]  # (src, dst) block ids: copy before the forward
     kv_loads: tuple[ScheduledKVLoad, ...]  # decode role only: load before the forward
@@ -140,19 +168,23 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)
     kv_loads: list[tuple[Request, int]] = field(default_factory=list)  # (request, first uncached)
     preempted: list[Request] = field(default_factory=list)
-    scheduled: set[str] = field(default_factory=set)
 
     def add_chunk(self, request: Request, num_tokens: int) -> None:
         """Schedule `num_tokens` prompt tokens of `request` from its num_computed_tokens."""
         self.chunks.append((request, num_tokens))
-        self.scheduled.add(request.request_id)
         self.token_budget -= num_tokens
 
     def add_decode(self, request: Request) -> None:
         """Schedule one decode token of `request`."""
         self.decodes.append(request)
-        self.scheduled.add(request.request_id)
         self.token_budget -= 1
+
+    def is_scheduled(self, request: Request) -> bool:
+        """True if the request already has work in this plan."""
+        # Identity scans (a Request compares by identity) instead of a set of ids, which cost
+        # an insert per decode per step; this is asked only of prefilling requests and of
+        # preemption candidates, both rare.
+        return request in self.decodes or any(r is request for r, _ in self.chunks)
 
     def chunk_size(self, request: Request) -> int:
         """Prompt tokens this request may take now: remaining, budget and chunk cap."""
@@ -163,26 +195,37 @@ class StepPlan:
 def schedule_decodes(host: PolicyHost, plan: StepPlan) -> None:
     """One token per running request past its prefill; preempt the youngest when out of blocks."""
     bm, running = host.block_manager, RequestStatus.RUNNING
+    bs, decodes = bm.block_size, plan.decodes
+    # Without prefix caching a decode whose last block has a free slot changes nothing in the
+    # block manager (try_append_slots would return True at once), and request.block_table
+    # mirrors the manager's table: that common case skips the call.
+    fast = not bm.enable_prefix_caching
+    first, budget = len(decodes), plan.token_budget
     for request in list(host.running):
         # Once per running request per step: is_prefilling's comparison is inlined.
-        if request.status is not running or request.num_computed_tokens < request.prefill_len:
+        computed = request.num_computed_tokens
+        if request.status is not running or computed < request.prefill_len:
             continue  # preempted earlier in this loop, or still in its prompt
-        if plan.token_budget < 1:
+        if len(decodes) - first >= budget:
             break  # cannot happen while max_num_batched_tokens >= max_num_seqs (validated)
+        if fast and computed < len(request.block_table) * bs:
+            decodes.append(request)
+            continue
         while not bm.try_append_slots(request, 1):
             victim = _youngest_unscheduled(host, plan)
             host.preempt(victim, plan)
             if victim is request:
                 break
         else:
-            plan.add_decode(request)
+            decodes.append(request)
+    plan.token_budget = budget - (len(decodes) - first)
 
 
 def _youngest_unscheduled(host: PolicyHost, plan: StepPlan) -> Request:
     # Recompute-preemption of the latest arrival, as vLLM does: the oldest request always makes
     # progress, so the system cannot livelock.
     for request in reversed(host.running):
-        if request.request_id not in plan.scheduled:
+        if not plan.is_scheduled(request):
             return request
     raise AssertionError("no preemptible request; the caller itself is unscheduled")
 
@@ -192,7 +235,7 @@ def schedule_prefill_chunks(host: PolicyHost, plan: StepPlan) -> None:
     for request in host.running:  # is_prefilling inlined: this visits every running request
         if (
             request.num_computed_tokens < request.prefill_len
-            and request.request_id not in plan.scheduled
+            and not plan.is_scheduled(request)
         ):
             n = plan.chunk_size(request)
             if n <= 0:
@@ -304,12 +347,6 @@ def build_output(
                 table(req.request_id),
             )
         )
-    decodes = tuple(
-        [
-            ScheduledDecode(r.request_id, r.num_tokens, r.last_token_id, table(r.request_id))
-            for r in plan.decodes
-        ]
-    )
     loads = tuple(
         [
             ScheduledKVLoad(r.request_id, s, r.num_computed_tokens - s, table(r.request_id))
@@ -318,7 +355,32 @@ def build_output(
     )
     preempted = tuple([r.request_id for r in plan.preempted])
     return SchedulerOutput(
-        step_id, tuple(chunks), decodes, preempted, block_copies, loads, bm.block_size
+        step_id,
+        tuple(chunks),
+        decode_batch(plan.decodes, bm),
+        preempted,
+        block_copies,
+        loads,
+        bm.block_size,
+    )
+
+
+_request_id = attrgetter("request_id")
+_num_computed_tokens = attrgetter("num_computed_tokens")
+
+
+def decode_batch(requests: list[Request], bm: BlockManager) -> DecodeBatch:
+    """Snapshot decoding requests (num_computed_tokens == num_tokens - 1) as a `DecodeBatch`."""
+    if not requests:
+        return EMPTY_DECODES
+    ids = tuple(map(_request_id, requests))
+    # A decoding request has sampled at least one token (its prompt's last chunk sampled it, or
+    # a prefill worker did), so the token it feeds is its last output.
+    return DecodeBatch(
+        ids,
+        tuple(map(_num_computed_tokens, requests)),
+        tuple([r.output_token_ids[-1] for r in requests]),
+        bm.block_tables(ids),
     )
 
 

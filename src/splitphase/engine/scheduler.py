@@ -4,8 +4,9 @@ Loop contract (vLLM v1 vocabulary): `out = schedule(now_s)`; the runner executes
 (block copies and KV loads first, then one forward pass); `update_from_output(out, sampled,
 now_s)` appends the sampled tokens, applies stop rules and frees finished requests' blocks.
 One step is in flight at a time. Token positions: a `ScheduledChunk` feeds positions
-[start, start + num_tokens) and attends over [0, start + num_tokens); a `ScheduledDecode` feeds
-its `token_id` at position context_len - 1 and attends over [0, context_len). The slot of
+[start, start + num_tokens) and attends over [0, start + num_tokens); row i of the
+`DecodeBatch` feeds token_ids[i] at position positions[i] and attends over
+[0, positions[i] + 1) (iterating it yields the same rows as `ScheduledDecode`s). The slot of
 position p is block_table[p // block_size] * block_size + p % block_size
 (`block_manager.slots_from_block_table`).
 
@@ -22,11 +23,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from splitphase.engine import policies
 from splitphase.engine.block_manager import BlockManager
+from splitphase.engine.handoff import Handoff, HandoffBook
 from splitphase.engine.policies import (
+    DecodeBatch,
     ScheduledChunk,
     ScheduledDecode,
     ScheduledKVLoad,
@@ -40,6 +42,7 @@ from splitphase.engine.scheduler_config import (
 )
 
 __all__ = [
+    "DecodeBatch",
     "Handoff",
     "ScheduledChunk",
     "ScheduledDecode",
@@ -51,19 +54,6 @@ __all__ = [
 ]
 
 StopChecker = Callable[[Request], bool]
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """A request leaving this scheduler for the other worker.
-
-    From a prefill worker: `block_table` holds its computed KV (num_computed_tokens positions)
-    until `release_handoff`. From a decode worker (preempted): empty, it needs a fresh prefill.
-    """
-
-    request: Request
-    block_table: tuple[int, ...]
-    num_computed_tokens: int
 
 
 _PLANS = {
@@ -90,11 +80,10 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # waiting, running, or ready to hand off
         self._age: dict[str, tuple[float, int]] = {}  # (arrival, admission order)
         self._next_order = 0
-        self._handoff_ready: list[Request] = []
-        self._handed_off: set[str] = set()  # prefill role: popped, blocks still held
+        self._handoffs = HandoffBook(self.block_manager)
         self._pending_copies: list[tuple[Request, int, int]] = []
         self._step_id = 0
-        self._in_flight: tuple[int, dict[str, Request]] | None = None
+        self._in_flight: tuple[int, dict[str, Request], list[Request]] | None = None
         self._plan = _PLANS[(config.policy, config.role)]
 
     # ---- queries ------------------------------------------------------------------------
@@ -152,7 +141,7 @@ class Scheduler:
 
     def _register(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests or rid in self._handed_off:
+        if rid in self._requests or self._handoffs.is_held(rid):
             raise SchedulerError(f"request id {rid!r} is already in use")
         if request.num_tokens > self.max_model_len:
             raise SchedulerError(
@@ -183,9 +172,9 @@ class Scheduler:
             self._pending_copies.clear()
         out = policies.build_output(plan, self._step_id, self.block_manager, now_s, copies)
         if out.num_seqs:
-            scheduled = {r.request_id: r for r, _ in plan.chunks}
-            scheduled.update({r.request_id: r for r in plan.decodes})
-            self._in_flight = (self._step_id, scheduled)
+            # Decoding requests in the order of out.decode's rows: no per-row lookup by id.
+            chunks = {r.request_id: r for r, _ in plan.chunks}
+            self._in_flight = (self._step_id, chunks, plan.decodes)
         self._step_id += 1
         return out
 
@@ -208,10 +197,11 @@ class Scheduler:
             raise SchedulerError(
                 f"output of step {output.step_id}, but step {expected} is in flight"
             )
-        scheduled, self._in_flight = self._in_flight[1], None
+        _, chunk_reqs, decode_reqs = self._in_flight
+        self._in_flight = None
         finished: list[Request] = []
         for chunk in output.prefill:
-            req = scheduled[chunk.request_id]
+            req = chunk_reqs[chunk.request_id]
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += chunk.num_tokens
@@ -224,16 +214,16 @@ class Scheduler:
             self._on_token(req, tokens[0], now_s, stop_checker, finished)
             if self.config.role == "prefill" and req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
-                self._handoff_ready.append(req)
+                self._handoffs.ready.append(req)
         self._apply_decodes(
-            output.decode, scheduled, sampled_token_ids, now_s, stop_checker, finished
+            output.decode.request_ids, decode_reqs, sampled_token_ids, now_s, stop_checker, finished
         )
         return finished
 
     def _apply_decodes(
         self,
-        decodes: Sequence[ScheduledDecode],
-        scheduled: Mapping[str, Request],
+        request_ids: Sequence[str],
+        requests: Sequence[Request],
         sampled_token_ids: Mapping[str, Sequence[int]],
         now_s: float,
         stop_checker: StopChecker | None,
@@ -242,15 +232,14 @@ class Scheduler:
         # The per-token loop of every step: _sampled's and _on_token's work is inlined.
         bm, running = self.block_manager, RequestStatus.RUNNING
         caching = bm.enable_prefix_caching
-        for dec in decodes:
-            rid = dec.request_id
-            req = scheduled[rid]
+        get = sampled_token_ids.get
+        for rid, req in zip(request_ids, requests, strict=True):
             if req.status is not running:
                 continue
             req.num_computed_tokens += 1
             if caching:
                 bm.cache_computed_blocks(req)
-            tokens = sampled_token_ids.get(rid)
+            tokens = get(rid)
             if tokens is None or len(tokens) != 1:
                 self._sampled(sampled_token_ids, rid, 1)  # raises, naming what is missing
                 continue
@@ -329,7 +318,7 @@ class Scheduler:
             bm = self.block_manager
             if self.config.role == "prefill":
                 bm.fork(parent, child, copy_partial=False)  # read-only from here: share all
-                self._handoff_ready.append(child)
+                self._handoffs.ready.append(child)
             elif len(self.running) < self.max_num_seqs and bm.can_fork(parent):
                 self._pending_copies += [(child, s, d) for s, d in bm.fork(parent, child)]
                 self.start_running(child)
@@ -354,7 +343,7 @@ class Scheduler:
         request.num_preemptions += 1
         plan.preempted.append(request)
         if self.config.role == "decode":
-            self._handoff_ready.append(request)  # no prefill here: back to the prefill worker
+            self._handoffs.ready.append(request)  # no prefill here: back to the prefill worker
         else:
             self.waiting.appendleft(request)
 
@@ -376,7 +365,7 @@ class Scheduler:
             )
         req = self._requests.get(request_id)
         if req is None:
-            if request_id in self._handed_off:
+            if self._handoffs.is_held(request_id):
                 self.release_handoff(request_id)
             return None
         self._finish(req, status, now_s)
@@ -384,33 +373,22 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, now_s: float | None) -> None:
         rid = req.request_id
-        for queue in (self.running, self.waiting, self._handoff_ready):
+        for queue in (self.running, self.waiting, self._handoffs.ready):
             if req in queue:
                 queue.remove(req)
         if self.block_manager.has_blocks(rid):
             self.block_manager.free(req)
-        del self._requests[rid]
-        del self._age[rid]
+        self._forget(rid)
         req.finish(status, now_s)
 
     def pop_handoffs(self) -> list[Handoff]:
         """Requests now belonging to the other worker (see `Handoff`); they leave this scheduler."""
-        out = []
-        for req in self._handoff_ready:
-            rid = req.request_id
-            del self._requests[rid]
-            del self._age[rid]
-            table: tuple[int, ...] = ()
-            if self.block_manager.has_blocks(rid):
-                table = self.block_manager.block_table(rid)
-                self._handed_off.add(rid)
-            out.append(Handoff(req, table, req.num_computed_tokens))
-        self._handoff_ready.clear()
-        return out
+        return self._handoffs.pop(self._forget)
+
+    def _forget(self, request_id: str) -> None:
+        del self._requests[request_id]
+        del self._age[request_id]
 
     def release_handoff(self, request_id: str) -> None:
         """Prefill role: free a popped handoff's blocks once its KV has been copied out."""
-        if request_id not in self._handed_off:
-            raise SchedulerError(f"{request_id!r} is not a popped handoff holding blocks here")
-        self._handed_off.remove(request_id)
-        self.block_manager.free(request_id)
+        self._handoffs.release(request_id)

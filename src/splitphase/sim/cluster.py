@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 from splitphase.engine.scheduler import SchedulerConfig
 from splitphase.errors import UserError
@@ -11,6 +12,7 @@ from splitphase.sim.cost_model import CostModel, Efficiency
 from splitphase.sim.replica import Replica
 
 ROUTERS = ("round_robin", "least_loaded")
+_outstanding = attrgetter("outstanding")
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class Router:
             r = self.replicas[self._next % len(self.replicas)]
             self._next += 1
             return r
-        return min(self.replicas, key=lambda r: r.outstanding)
+        return min(self.replicas, key=_outstanding)  # the first of equals, as before
 
 
 def build_pool(name: str, pool: PoolConfig, cost: CostModel, record_steps: bool = False

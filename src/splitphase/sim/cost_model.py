@@ -21,8 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import attrgetter
 from pathlib import Path
+from typing import NamedTuple
 
 from splitphase.audit.flops import kv_bytes_per_token, param_count
 from splitphase.engine.policies import SchedulerOutput
@@ -44,8 +44,6 @@ DEFAULT_FLOPS_FRACTION = 0.5
 DEFAULT_BANDWIDTH_FRACTION = 0.6
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 DEFAULT_MEMORY_FRACTION = 0.9  # of device memory usable for weights + KV (vLLM's default)
-
-_context_len = attrgetter("context_len")
 
 
 class CostModelError(UserError):
@@ -108,8 +106,7 @@ class Efficiency:
         }
 
 
-@dataclass(frozen=True)
-class StepTime:
+class StepTime(NamedTuple):
     """One step's simulated time, and how much of its roofline time was prefill work."""
 
     total_s: float
@@ -176,12 +173,39 @@ class CostModel:
 
     def step_time_of(self, out: SchedulerOutput) -> StepTime:
         """Time of one scheduled step (equal to `step_time` of its chunks and decodes)."""
+        if not out.prefill and self._dense is not None and out.decode:
+            return self._decode_only_time(len(out.decode), out.decode.num_cached_tokens)
         chunks = [(c.num_tokens, c.start) for c in out.prefill]
         if self._dense is None:
-            return self.step_time(chunks, [d.context_len - 1 for d in out.decode])
-        num_decodes = len(out.decode)
-        cached = sum(map(_context_len, out.decode)) - num_decodes
-        return self._time_of(self._dense.work(chunks, num_decodes, cached))
+            return self.step_time(chunks, out.decode.positions)
+        return self._time_of(
+            self._dense.work(chunks, len(out.decode), out.decode.num_cached_tokens)
+        )
+
+    def _decode_only_time(self, num_decodes: int, num_cached: int) -> StepTime:
+        """`_time_of(work([], n, cached))` of a dense model, term for term, with no prefill part.
+
+        Most simulated steps decode only; this skips the prefill half's zero terms and the
+        StepWork tuple. The float operations are the same ones in the same order, so the time
+        is bit-identical (tests/sim/test_step_work.py compares the two).
+        """
+        d = self._dense
+        assert d is not None
+        eff = self.efficiency
+        flops_rate, bytes_rate, kv_rate = self._rates
+        rows, pairs = num_decodes, num_cached + num_decodes
+        pair_flops = d.pair_flops * pairs
+        flops = float(d.row_flops * rows + pair_flops + d.logit_flops * rows)
+        attn_flops = float(pair_flops)
+        kv_bytes = d.kv_bytes * (num_cached + rows)
+        step_bytes = d.dtype_bytes * (d.params + rows * d.d_model) + kv_bytes
+        attn_bytes = float(kv_bytes)
+        gemm_rate = flops_rate * rows / (rows + eff.gemm_half_tokens)
+        dense_s = max((flops - attn_flops) / gemm_rate, (step_bytes - attn_bytes) / bytes_rate)
+        roof_s = dense_s + max(attn_flops / flops_rate, attn_bytes / kv_rate)
+        total = eff.step_overhead_s + eff.per_seq_overhead_s * rows + roof_s
+        total += self.allreduce_s(rows)
+        return StepTime(total, 0.0)  # no prefill work: its share is 0.0, as _time_of finds
 
     @cached_property
     def _dense(self) -> DenseStepWork | None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitphase.engine.handoff import Handoff
 from splitphase.engine.request import Request
 from splitphase.engine.sampling_params import SamplingParams
-from splitphase.engine.scheduler import Handoff, Scheduler, SchedulerConfig, SchedulerOutput
+from splitphase.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from splitphase.sim.cost_model import CostModel
 from splitphase.sim.workload import TRACE_BLOCK_TOKENS, SimRequest
 
@@ -35,7 +36,7 @@ class StepSummary:
         return cls(
             out.step_id,
             tuple((c.request_id, c.start, c.num_tokens) for c in out.prefill),
-            tuple(d.request_id for d in out.decode),
+            out.decode.request_ids,
             out.preempted_request_ids,
             duration_s,
         )
@@ -114,7 +115,7 @@ class Replica:
         if out is None:
             raise RuntimeError(f"{self.name}: no step in flight")
         tok = [SAMPLED_TOKEN_ID]
-        sampled = dict.fromkeys([d.request_id for d in out.decode], tok)  # one token per decode
+        sampled = dict.fromkeys(out.decode.request_ids, tok)  # one token per decode
         sampled.update({c.request_id: tok * c.num_samples for c in out.prefill if c.is_last_chunk})
         finished = self.scheduler.update_from_output(out, sampled, now_s)
         handoffs = self.scheduler.pop_handoffs() if self.role is not None else []

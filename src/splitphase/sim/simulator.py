@@ -16,8 +16,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from splitphase.engine.handoff import Handoff
 from splitphase.engine.request import Request
-from splitphase.engine.scheduler import Handoff
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
 from splitphase.sim.cluster import ClusterConfig, Replica, Router, build_pool

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from splitphase.audit.flops import (
-    _attn_matmul_params,
-    _mlp_params,
-    _norm_params_per_layer,
     attention_cost,
+    attn_matmul_params,
     kv_bytes_per_token,
+    mlp_params,
+    norm_params_per_layer,
     step_cost,
 )
 from splitphase.model.config import ModelConfig
@@ -60,25 +60,25 @@ class DenseStepWork:
     def __init__(self, cfg: ModelConfig, dtype_bytes: int) -> None:
         if cfg.is_moe or cfg.is_dual_flow:
             raise ValueError(f"{cfg.name}: the closed form covers dense single-flow models only")
-        pq, pkv, po = _attn_matmul_params(cfg)
+        pq, pkv, po = attn_matmul_params(cfg)
         layers, d_model, head_rows = cfg.n_layers, cfg.d_model, cfg.vocab_size * cfg.d_model
-        mlp = int(_mlp_params(cfg, 0))  # an int for a dense model, whatever `routed` is
+        mlp = int(mlp_params(cfg, 0))  # an int for a dense model, whatever `routed` is
         # The same terms as audit.flops._flops, _weight_bytes and _bytes (with no aux flow).
-        self._row_flops = 2 * layers * (pq + pkv + po + mlp)
-        self._pair_flops = layers * 4 * cfg.q_dim
-        self._logit_flops = 2 * head_rows
-        params = layers * (pq + pkv + po + _norm_params_per_layer(cfg) + mlp) + head_rows + d_model
-        self._dtype_bytes, self._params, self._d_model = dtype_bytes, params, d_model
-        self._kv_bytes = kv_bytes_per_token(cfg, dtype_bytes)
+        self.row_flops = 2 * layers * (pq + pkv + po + mlp)
+        self.pair_flops = layers * 4 * cfg.q_dim
+        self.logit_flops = 2 * head_rows
+        params = layers * (pq + pkv + po + norm_params_per_layer(cfg) + mlp) + head_rows + d_model
+        self.dtype_bytes, self.params, self.d_model = dtype_bytes, params, d_model
+        self.kv_bytes = kv_bytes_per_token(cfg, dtype_bytes)
 
     def _flops(self, rows: int, pairs: int, logits: int) -> float:
-        return float(self._row_flops * rows + self._pair_flops * pairs + self._logit_flops * logits)
+        return float(self.row_flops * rows + self.pair_flops * pairs + self.logit_flops * logits)
 
     def _bytes(self, rows: int, kv_read: int) -> float:
         if rows == 0:
             return 0.0  # nothing scheduled: no weights are read
-        weights = self._dtype_bytes * (self._params + rows * self._d_model)
-        return weights + self._kv_bytes * (kv_read + rows)
+        weights = self.dtype_bytes * (self.params + rows * self.d_model)
+        return weights + self.kv_bytes * (kv_read + rows)
 
     def work(self, chunks: Sequence[tuple[int, int]], num_decodes: int, num_cached: int
              ) -> StepWork:
@@ -91,7 +91,7 @@ class DenseStepWork:
         p_logits = len(chunks)  # one logit row per chunk (logits_per_chunk = 1)
         d_pairs = num_cached + num_decodes  # each decode attends its cache plus itself
         rows, pairs, kv_read = p_rows + num_decodes, p_pairs + d_pairs, p_kv + num_cached
-        attn_bytes = self._kv_bytes * (kv_read + rows) if rows else 0
+        attn_bytes = self.kv_bytes * (kv_read + rows) if rows else 0
         return StepWork(
             self._flops(rows, pairs, p_logits + num_decodes),
             self._bytes(rows, kv_read),
@@ -99,7 +99,7 @@ class DenseStepWork:
             self._bytes(p_rows, p_kv),
             self._flops(num_decodes, d_pairs, num_decodes),
             self._bytes(num_decodes, num_cached),
-            float(self._pair_flops * pairs),
+            float(self.pair_flops * pairs),
             float(attn_bytes),
             rows,
             len(chunks) + num_decodes,
