@@ -50,11 +50,8 @@ def workload(
 
 
 def kv_bytes_for(cfg: ModelConfig, work) -> int:
-    """A KV pool that holds the whole workload at once (plus a block per request of slack).
-
-    A smaller pool makes the policies preempt and recompute, which measures the pool size,
-    not the batching policy (2 GiB cost `mixed` 2.5x of its throughput at 64 requests).
-    """
+    """A KV pool that holds the whole workload at once (plus a block per request of slack),
+    so no policy preempts and recomputes: that would measure the pool, not the policy."""
     tokens = sum(len(p) + o + 16 for p, o in work)
     return tokens * kv_bytes_per_token(cfg, dtype_bytes=4)
 
