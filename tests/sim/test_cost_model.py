@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -87,8 +88,8 @@ def test_efficiency_from_audit_report(tmp_path: Path) -> None:
 
 def test_fit_recovers_step_times_it_was_given() -> None:
     cfg, hw = ModelConfig.from_name("small"), get_hardware("h100-sxm")
-    truth = CostModel(cfg, hw, efficiency=Efficiency(0.2, 0.4, 2e-3, 1e-4, 64.0),
-                      dtype="float32", dtype_bytes=4)
+    eff_true = Efficiency(0.2, 0.4, 2e-3, 1e-4, 64.0, prefill_step_overhead_s=3e-3)
+    truth = CostModel(cfg, hw, efficiency=eff_true, dtype="float32", dtype_bytes=4)
     shapes = [((n, 0),) for n in (16, 64, 256, 512)] + [()] * 4
     ctxs = [(), (), (), (), (100,), (200,) * 4, (300,) * 8, (50,) * 16]
     samples = [StepSample(c, d, truth.step_time(c, d).total_s)
@@ -96,3 +97,16 @@ def test_fit_recovers_step_times_it_was_given() -> None:
     eff = fit_efficiency(cfg, hw, samples)
     fitted = CostModel(cfg, hw, efficiency=eff, dtype="float32", dtype_bytes=4)
     assert prediction_error(fitted, samples) < 0.05
+    assert eff.prefill_step_overhead_s == pytest.approx(3e-3, rel=0.1)
+
+
+def test_prefill_step_overhead_applies_only_to_steps_with_prompt_tokens() -> None:
+    cfg, hw = ModelConfig.from_name("small"), get_hardware("h100-sxm")
+    base = Efficiency(0.5, 0.6, 1e-3, 0.0, 0.0)
+    extra = dataclasses.replace(base, prefill_step_overhead_s=4e-3)
+    a, b = (CostModel(cfg, hw, efficiency=e, dtype="float32", dtype_bytes=4) for e in (base, extra))
+    assert b.step_time((), (100, 200)).total_s == a.step_time((), (100, 200)).total_s
+    diff = b.step_time(((64, 0),), (100,)).total_s - a.step_time(((64, 0),), (100,)).total_s
+    assert diff == pytest.approx(4e-3)
+    with pytest.raises(CostModelError):
+        dataclasses.replace(base, prefill_step_overhead_s=-1.0)

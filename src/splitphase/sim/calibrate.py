@@ -3,12 +3,13 @@
 Each sample is one step as scheduled (prefill chunks and decode context lengths) with its
 measured wall time. The FLOP/byte parts of every step are computed once; a grid over the FLOP
 fraction, the weights' and the KV cache's bandwidth fractions and the GEMM half-efficiency
-size is then searched, with the two host overheads (per step, per sequence) solved by
-non-negative least squares at each grid point.
+size is then searched, with the three host overheads (per step, per sequence, per step that
+carries prompt tokens) solved by non-negative least squares at each grid point.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ def fit_efficiency(model: ModelConfig, hardware: HardwareSpec, samples: Sequence
     dense_f, dense_b, attn_f, attn_b, tokens, seqs, wall = p.T
     peak, bw = hardware.peak_flops_per_s(dtype), hardware.mem_bandwidth_bytes_per_s
     weight = _weights(samples, wall)
-    design = np.stack([np.ones_like(wall), seqs], axis=1) * weight[:, None]
+    has_prefill = np.array([1.0 if s.chunks else 0.0 for s in samples])
+    design = np.stack([np.ones_like(wall), seqs, has_prefill], axis=1) * weight[:, None]
     fr = _FRACTIONS[:, None]
     dense_mem = dense_b[None, :] / (bw * fr)  # (F, N) over the weights' bandwidth fraction
     kv_mem = attn_b[None, :] / (bw * fr)  # (F, N) over the KV bandwidth fraction
@@ -66,13 +68,14 @@ def fit_efficiency(model: ModelConfig, hardware: HardwareSpec, samples: Sequence
             attn = np.maximum(attn_f / (peak * f), kv_mem)  # (K, N)
             roof = dense[:, None, :] + attn[None, :, :]  # (B, K, N)
             y = (wall - roof).reshape(-1, len(wall)) * weight
-            coef, err = _nnls2_batch(design, y)
+            coef, err = _nnls_batch(design, y)
             i = int(np.argmin(err))
             if best is None or err[i] < best[0]:
                 b, k = divmod(i, len(_FRACTIONS))
                 best = (float(err[i]), Efficiency(
                     float(f), float(_FRACTIONS[b]), float(coef[i, 0]), float(coef[i, 1]),
-                    half, float(_FRACTIONS[k]), source))
+                    half, float(_FRACTIONS[k]), source,
+                    prefill_step_overhead_s=float(coef[i, 2])))
     assert best is not None
     return best[1]
 
@@ -90,20 +93,23 @@ def _weights(samples: Sequence[StepSample], wall: np.ndarray) -> np.ndarray:
     return out
 
 
-def _nnls2_batch(a: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of `ys` (G, N): the two non-negative coefficients of `a` (N, 2) with least
-    squared error, and that error (the best of the four active sets)."""
-    g = ys.shape[0]
-    coefs = [np.zeros((g, 2))]
-    full = ys @ a @ np.linalg.pinv(a.T @ a)  # (G, 2) normal equations, a.T @ a symmetric
-    coefs.append(np.where((full >= 0).all(axis=1, keepdims=True), full, 0.0))
-    for col in (0, 1):
-        c = np.zeros((g, 2))
-        c[:, col] = np.maximum(ys @ a[:, col] / (a[:, col] @ a[:, col]), 0.0)
-        coefs.append(c)
-    errs = np.stack([np.sum((c @ a.T - ys) ** 2, axis=1) for c in coefs])  # (4, G)
-    pick = np.argmin(errs, axis=0)
-    return np.stack(coefs)[pick, np.arange(g)], errs[pick, np.arange(g)]
+def _nnls_batch(a: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `ys` (G, N): the non-negative coefficients of `a` (N, K) with least squared
+    error, and that error. The optimum is the unconstrained fit on its own support, so the best
+    all-non-negative fit over every subset of columns (and all-zero) is it; K is small."""
+    g, k = ys.shape[0], a.shape[1]
+    best_c, best_e = np.zeros((g, k)), np.sum(ys**2, axis=1)
+    for support in itertools.product((False, True), repeat=k):
+        cols = [j for j in range(k) if support[j]]
+        if not cols:
+            continue
+        sub = a[:, cols]
+        c = np.zeros((g, k))
+        c[:, cols] = ys @ sub @ np.linalg.pinv(sub.T @ sub)
+        err = np.where((c >= 0).all(axis=1), np.sum((c @ a.T - ys) ** 2, axis=1), np.inf)
+        better = err < best_e
+        best_c[better], best_e[better] = c[better], err[better]
+    return best_c, best_e
 
 
 def prediction_error(cost: CostModel, samples: Sequence[StepSample]) -> float:

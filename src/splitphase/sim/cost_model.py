@@ -1,6 +1,6 @@
 """Step time of a scheduled batch: roofline of its FLOPs and bytes, scaled by efficiency factors.
 
-time = step_overhead_s + per_seq_overhead_s * seqs
+time = step_overhead_s + per_seq_overhead_s * seqs (+ prefill_step_overhead_s with prompt tokens)
        + roofline(dense part) + roofline(attention part) + all-reduce time,
 roofline(part) = max(flops / (tp * peak * flops_fraction),
                      bytes / (tp * bandwidth * bandwidth_fraction)),
@@ -62,6 +62,9 @@ class Efficiency:
     # KV-cache reads in attention (paged gathers) may stream slower than weights; None: same.
     kv_bandwidth_fraction: float | None = None
     source: str = "typical values (splitphase.sim.cost_model defaults)"
+    # Extra host time of a step that carries prompt tokens: an engine may take a leaner path
+    # for decode-only steps (ours runs them as one native call, prompts op by op).
+    prefill_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("flops_fraction", "bandwidth_fraction", "kv_bandwidth_fraction"):
@@ -70,7 +73,7 @@ class Efficiency:
                 continue
             if not (math.isfinite(v) and 0 < v <= 1.5):
                 raise CostModelError(f"{name} must be in (0, 1.5], got {v}")
-        if self.step_overhead_s < 0 or self.per_seq_overhead_s < 0:
+        if min(self.step_overhead_s, self.per_seq_overhead_s, self.prefill_step_overhead_s) < 0:
             raise CostModelError("overheads must be >= 0 seconds")
         if self.gemm_half_tokens < 0:
             raise CostModelError("gemm_half_tokens must be >= 0")
@@ -100,6 +103,7 @@ class Efficiency:
             "bandwidth_fraction": self.bandwidth_fraction,
             "step_overhead_s": self.step_overhead_s,
             "per_seq_overhead_s": self.per_seq_overhead_s,
+            "prefill_step_overhead_s": self.prefill_step_overhead_s,
             "gemm_half_tokens": self.gemm_half_tokens,
             "kv_bandwidth_fraction": self.kv_bandwidth_fraction,
             "source": self.source,
@@ -230,6 +234,8 @@ class CostModel:
         dense_s = max((w.flops - w.attn_flops) / gemm_rate, (w.bytes - w.attn_bytes) / bytes_rate)
         roof_s = dense_s + max(w.attn_flops / flops_rate, w.attn_bytes / kv_rate)
         total = eff.step_overhead_s + eff.per_seq_overhead_s * w.num_seqs + roof_s
+        if w.prefill_flops > 0:
+            total += eff.prefill_step_overhead_s
         total += self.allreduce_s(rows)
         pre_s = max(w.prefill_flops / flops_rate, w.prefill_bytes / bytes_rate)
         dec_s = max(w.decode_flops / flops_rate, w.decode_bytes / bytes_rate)
