@@ -45,6 +45,8 @@ WORKLOADS = {
 }
 POLICIES = ("mixed", "chunked", "disaggregated")
 BLOCKS, BLOCK_SIZE, SEQS = 512, 16, 16
+# A gap between two decode steps shorter than this is host work of a busy loop, not idling.
+_BUSY_GAP_S = 2e-3
 BUDGET = {"mixed": 1024, "chunked": 256, "disaggregated": 256}
 # K/V between the two local worker processes goes through gloo over TCP loopback: bandwidth
 # assumed (1 GB/s); the per-hand-off latency is the one measured by the idle probes.
@@ -129,11 +131,19 @@ def samples_colocated(seen: list[tuple[SchedulerOutput, float]]) -> list[StepSam
 def samples_worker(cfg: ModelConfig, steps: list[Any], role: str, dtype_bytes: int
                    ) -> list[StepSample]:
     """Worker steps carry counts, FLOPs and bytes only: rebuild one chunk per step (its cached
-    prefix from the KV bytes read) and the decodes' mean context."""
+    prefix from the KV bytes read) and the decodes' mean context.
+
+    A decode step's time is its loop cadence (to the next step's start) when the loop went
+    straight on: between steps the worker sends outputs to the front end and adopts hand-offs,
+    and every streamed token pays that too. A longer gap is the loop idling for work."""
     out = []
-    for s in steps:
-        if getattr(s, "role", None) != role or s.wall_s <= 0:
-            continue
+    mine = [s for s in steps if getattr(s, "role", None) == role and s.wall_s > 0]
+    for s, nxt in zip(mine, [*mine[1:], None], strict=True):
+        wall_s = s.wall_s
+        if role == "decode" and nxt is not None and s.started_s and nxt.started_s:
+            gap_s = nxt.started_s - s.started_s - s.wall_s
+            if 0 <= gap_s < _BUSY_GAP_S:
+                wall_s += gap_s
         kv_tok = 2 * cfg.n_layers * cfg.kv_dim * dtype_bytes
         chunks: tuple[tuple[int, int], ...] = ()
         if s.num_prefill_tokens:  # cached tokens the chunk attends over, from its KV bytes
@@ -145,7 +155,7 @@ def samples_worker(cfg: ModelConfig, steps: list[Any], role: str, dtype_bytes: i
             n = s.num_decode_seqs
             base = step_cost(cfg, [], [0] * n, dtype_bytes).bytes
             ctx = (max(0, round((s.bytes - base) / (kv_tok * n))),) * n
-        out.append(StepSample(chunks, ctx, s.wall_s))
+        out.append(StepSample(chunks, ctx, wall_s))
     return out
 
 

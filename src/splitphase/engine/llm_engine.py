@@ -59,6 +59,9 @@ class StepRecord:
     wall_s: float
     flops: float
     bytes: float
+    # perf_counter at the step's start (comparable within one process): with the next step's
+    # start it gives the loop's own cadence, host work between steps included.
+    started_s: float = 0.0
 
 
 @dataclass
@@ -249,7 +252,7 @@ class LLMEngine:
             now = time.perf_counter()
             self.scheduler.update_from_output(out, sampled, now, self._stop_checker)
             self._adopt_children(out)
-            self._record_step(out, now - t0)
+            self._record_step(out, t0, now - t0)
         return self._outputs()
 
     def _fail_step(self, out: SchedulerOutput) -> list[str]:
@@ -319,7 +322,7 @@ class LLMEngine:
         self._feed(t, len(req.output_token_ids))
         return t.detok.stopped
 
-    def _record_step(self, out: SchedulerOutput, wall_s: float) -> None:
+    def _record_step(self, out: SchedulerOutput, started_s: float, wall_s: float) -> None:
         cost = step_cost(
             self.model.cfg,
             [(c.num_tokens, c.start) for c in out.prefill],
@@ -335,6 +338,7 @@ class LLMEngine:
                 wall_s,
                 cost.flops,
                 cost.bytes,
+                started_s,
             )
         )
 
