@@ -1,5 +1,7 @@
 """The paged engine's greedy tokens equal the reference model's `generate`."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -80,7 +82,7 @@ def test_steps_are_tagged_with_phase_and_cost(tiny_model, tokenizer):
     assert all(s.flops > 0 and s.bytes > 0 and s.wall_s > 0 for s in engine.steps)
     assert sum(s.num_prefill_tokens for s in engine.steps) == sum(len(p) for p in PROMPTS[:2])
     # Each step starts after the previous one ended: start + wall gives the loop's cadence.
-    for a, b in zip(engine.steps, engine.steps[1:]):
+    for a, b in itertools.pairwise(engine.steps):
         assert b.started_s >= a.started_s + a.wall_s > 0
 
 
