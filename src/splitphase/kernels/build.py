@@ -41,6 +41,13 @@ def source_digest() -> str:
 
 
 @dataclass
+class Switch:
+    """A process-wide on/off for one native path (benchmarks measure its effect)."""
+
+    on: bool = True
+
+
+@dataclass
 class KernelStatus:
     """Whether the native kernel is loaded, and if not, why."""
 

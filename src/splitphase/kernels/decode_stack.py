@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitphase.kernels import skinny
+from splitphase.kernels import build, skinny
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,7 @@ class DecodePlan:
     lengths: torch.Tensor  # (B,) real slots per row
 
 
-class _Switch:
-    """Process-wide on/off for the fused pass (benchmarks measure its effect)."""
-
-    def __init__(self) -> None:
-        self.on = True
-
-
-_SWITCH = _Switch()
+_SWITCH = build.Switch()
 
 
 def set_enabled(on: bool) -> None:

@@ -21,14 +21,7 @@ from splitphase.kernels import build, elementwise
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}
 
 
-class _Switch:
-    """Process-wide on/off for the native path (benchmarks measure its effect)."""
-
-    def __init__(self) -> None:
-        self.on = True
-
-
-_SWITCH = _Switch()
+_SWITCH = build.Switch()
 
 
 def set_enabled(on: bool) -> None:
