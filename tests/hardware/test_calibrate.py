@@ -65,6 +65,16 @@ def test_a_cache_beaten_by_a_spot_probe_is_remeasured(
     assert cal.calibrate(quick=True).source == "quiet"  # and the new figures are cached
 
 
+def test_a_beaten_full_calibration_is_dropped(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = dataclasses.replace(_fake_spec("full, under load"), mem_bandwidth_bytes_per_s=10e9)
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: loaded)
+    cal.calibrate(quick=False)
+    monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec(f"quick={quick}"))
+    monkeypatch.setattr(cal, "_spot_probe", lambda quick: (20e9, 1.0))
+    assert cal.calibrate(quick=True).source == "quick=True"
+    assert not list(cache.glob("calibration-*-full.json"))  # not probed again on every call
+
+
 def test_refresh_remeasures(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cal, "_measure", lambda quick, key, price: _fake_spec("first"))
     assert cal.calibrate(quick=True).source == "first"

@@ -168,10 +168,15 @@ def calibrate(
     if not refresh:
         # A full calibration is better than a quick one, so a quick request accepts either.
         for mode in [False, True] if quick else [False]:
-            cached = _load(_cache_path(key, mode), key)
-            if cached is not None and not _beaten(cached, _spot_probe(mode)):
-                # The price is an assumption, not a measurement, so the caller's value wins.
-                return replace(cached, price_usd_per_hour=price_usd_per_hour)
+            path = _cache_path(key, mode)
+            cached = _load(path, key)
+            if cached is None:
+                continue
+            if _beaten(cached, _spot_probe(mode)):
+                path.unlink(missing_ok=True)  # stale: never probe it again
+                continue
+            # The price is an assumption, not a measurement, so the caller's value wins.
+            return replace(cached, price_usd_per_hour=price_usd_per_hour)
     spec = _measure(quick, key, price_usd_per_hour)
     _store(spec, _cache_path(key, quick), key)
     return spec
