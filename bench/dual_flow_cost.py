@@ -42,9 +42,10 @@ from splitphase.audit.flops import (
     prefill_bytes,
     prefill_flops,
 )
+from splitphase.model.attention_context import KVCache
 from splitphase.model.config import ModelConfig
 from splitphase.model.dual_flow import DualFlowTransformer
-from splitphase.model.transformer import KVCache, Transformer
+from splitphase.model.transformer import Transformer
 
 DEFAULT_OUT = Path("bench/results/dual_flow_cost.json")
 QUICK_OUT = Path("bench/results/dual_flow_cost_quick.json")

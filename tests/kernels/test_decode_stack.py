@@ -11,9 +11,10 @@ from splitphase.engine.config import EngineConfig
 from splitphase.engine.llm_engine import LLMEngine
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.kernels import build, decode_stack, skinny
+from splitphase.model.attention_context import KVCache
 from splitphase.model.config import ModelConfig
 from splitphase.model.tokenizer import Tokenizer
-from splitphase.model.transformer import KVCache, Transformer
+from splitphase.model.transformer import Transformer
 
 needs_kernel = pytest.mark.skipif(
     not build.available(), reason=f"native kernel unavailable: {build.status().reason}"

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from splitphase.audit import flops
+from splitphase.model.attention_context import KVCache
 from splitphase.model.checkpoint import build_model, load_model, save_checkpoint
 from splitphase.model.config import ConfigError, ModelConfig
 from splitphase.model.dual_flow import DualFlowTransformer, mix_readout
-from splitphase.model.transformer import KVCache, Transformer
+from splitphase.model.transformer import Transformer
 
 PRESETS = ["tiny", "tiny-moe"]
 # (preset, config changes): every execution path the phase-equality tests cover.
@@ -380,8 +381,8 @@ def test_bf16_model_runs(preset: str) -> None:
 
 
 def test_aux_self_kv_needs_a_context_that_serves_it() -> None:
+    from splitphase.model.attention_context import AuxAttentionContext
     from splitphase.model.dual_flow_layers import aux_attend
-    from splitphase.model.transformer import AuxAttentionContext
 
     class ReadOnly:  # an engine context without the aux_self_kv variant
         def attend(self, *args: Any) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitphase.model.attention_context import AuxAttentionContext, KVCache, attend_prefix
 from splitphase.model.config import AUX_ROUTINGS, ConfigError, ModelConfig
 from splitphase.model.dual_flow_layers import (
     Coupling,
@@ -34,14 +35,7 @@ from splitphase.model.dual_flow_layers import (
     primary_layer,
 )
 from splitphase.model.layers import Attention
-from splitphase.model.transformer import (
-    TORCH_DTYPES,
-    AuxAttentionContext,
-    DecoderLayer,
-    KVCache,
-    Transformer,
-    attend_prefix,
-)
+from splitphase.model.transformer import TORCH_DTYPES, DecoderLayer, Transformer
 
 
 class FlowOutput(NamedTuple):

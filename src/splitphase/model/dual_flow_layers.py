@@ -24,15 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitphase.kernels import elementwise
-from splitphase.model.config import ModelConfig
-from splitphase.model.layers import Attention, SwiGLU
-from splitphase.model.moe import MoE
-from splitphase.model.transformer import (
+from splitphase.model.attention_context import (
     AttentionContext,
     AuxAttentionContext,
     AuxSelfKVContext,
-    DecoderLayer,
 )
+from splitphase.model.config import ModelConfig
+from splitphase.model.layers import Attention, SwiGLU
+from splitphase.model.moe import MoE
+from splitphase.model.transformer import DecoderLayer
 
 
 def coupling_b_width(cfg: ModelConfig) -> int:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from splitphase.audit.flops import decode_bytes, decode_flops, prefill_flops
+from splitphase.model.attention_context import KVCache
 from splitphase.model.config import ModelConfig
-from splitphase.model.transformer import KVCache, Transformer
+from splitphase.model.transformer import Transformer
 
 
 def _sync() -> None:
