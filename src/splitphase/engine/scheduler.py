@@ -178,6 +178,10 @@ class Scheduler:
         self._step_id += 1
         return out
 
+    def skip_steps(self, num_steps: int) -> None:
+        """Count steps applied without `schedule()` (`decode_run.advance_decode_run`)."""
+        self._step_id += num_steps
+
     def update_from_output(
         self,
         output: SchedulerOutput,

@@ -102,8 +102,9 @@ class Router:
         return min(self.replicas, key=_outstanding)  # the first of equals, as before
 
 
-def build_pool(name: str, pool: PoolConfig, cost: CostModel, record_steps: bool = False
-               ) -> list[Replica]:
+def build_pool(name: str, pool: PoolConfig, cost: CostModel, record_steps: bool = False,
+               fast_forward: bool = True) -> list[Replica]:
     """The replicas of one pool (each with its own scheduler and the pool's cost model)."""
     c = replace(cost, tp=pool.tp, efficiency=pool.efficiency)
-    return [Replica(f"{name}{i}", pool.scheduler, c, record_steps) for i in range(pool.replicas)]
+    return [Replica(f"{name}{i}", pool.scheduler, c, record_steps, fast_forward)
+            for i in range(pool.replicas)]

@@ -186,6 +186,17 @@ class CostModel:
             self._dense.work(chunks, len(out.decode), out.decode.num_cached_tokens)
         )
 
+    def decode_steps_s(self, positions: Sequence[int], first: int, last: int) -> list[float]:
+        """Times of decode-only steps k = first..last, whose rows sit at `positions` + k.
+
+        Each equals `step_time_of` of that step's `SchedulerOutput` (the same call underneath).
+        """
+        n, steps = len(positions), range(first, last + 1)
+        if self._dense is not None:
+            cached, one = sum(positions), self._decode_only_time
+            return [one(n, cached + k * n).total_s for k in steps]
+        return [self.step_time([], [p + k for p in positions]).total_s for k in steps]
+
     def _decode_only_time(self, num_decodes: int, num_cached: int) -> StepTime:
         """`_time_of(work([], n, cached))` of a dense model, term for term, with no prefill part.
 

@@ -7,6 +7,9 @@ blocks, the decode replica takes the request). After every event the replicas it
 their next step if they are idle and have work: continuous batching, one step in flight each.
 Each prefill replica sends one KV transfer at a time over its link (the transfer queue). An
 optional dispatch delay models a front end's hop between a request's arrival and its replica.
+A replica may run a run of identical decode steps as one (see `sim.replica`, fast-forward): a
+request delivered to it cuts the run first, and the step-end event the run had pushed goes
+stale (each replica's latest step event is the live one; stale ones are skipped).
 """
 
 from __future__ import annotations
@@ -75,22 +78,23 @@ class Simulation:
     """One run of a cluster over a list of requests; `run()` returns a `SimResult`."""
 
     def __init__(self, cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
-                 record_steps: bool = False, dtype: str = "bfloat16", dtype_bytes: int = 2
-                 ) -> None:
+                 record_steps: bool = False, dtype: str = "bfloat16", dtype_bytes: int = 2,
+                 fast_forward: bool = True) -> None:
         self.cluster = cluster
         base = CostModel(model, hardware, dtype=dtype, dtype_bytes=dtype_bytes)
         self.colocated: list[Replica] = []
         self.prefill: list[Replica] = []
         self.decode: list[Replica] = []
         if cluster.colocated is not None:
-            self.colocated = build_pool("c", cluster.colocated, base, record_steps)
+            self.colocated = build_pool("c", cluster.colocated, base, record_steps, fast_forward)
         if cluster.prefill is not None and cluster.decode is not None:
-            self.prefill = build_pool("p", cluster.prefill, base, record_steps)
-            self.decode = build_pool("d", cluster.decode, base, record_steps)
+            self.prefill = build_pool("p", cluster.prefill, base, record_steps, fast_forward)
+            self.decode = build_pool("d", cluster.decode, base, record_steps, fast_forward)
         self.front = Router(cluster.router, self.colocated or self.prefill)
         self.to_decode = Router(cluster.router, self.decode) if self.decode else None
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
+        self._step_seq: dict[str, int] = {}  # each replica's live step event (by heap seq)
         self._link_free_s: dict[str, float] = {r.name: 0.0 for r in self.prefill}
         self._records: list[RequestRecord] = []
         self._xfer_s = 0.0
@@ -103,7 +107,10 @@ class Simulation:
         while i < n or heap:
             events += 1
             if heap and (i >= n or heap[0][0] <= reqs[i].arrival_s):
-                now, _, kind, payload = heapq.heappop(heap)
+                t, seq, kind, payload = heapq.heappop(heap)
+                if kind == _STEP and self._step_seq[payload.name] != seq:  # type: ignore[attr-defined]
+                    continue  # the end of a decode run that a delivery cut short
+                now = t
                 if kind == _STEP:
                     self._on_step(payload, now)  # type: ignore[arg-type]
                 elif kind == _XFER:
@@ -134,17 +141,31 @@ class Simulation:
         return result
 
     def _admit(self, sim: SimRequest, now_s: float) -> None:
-        replica = self.front.pick()
-        replica.add(make_request(sim))
+        self._deliver(self.front.pick(), make_request(sim), now_s)
+
+    def _deliver(self, replica: Replica, request: Request, now_s: float) -> None:
+        """Queue `request` at `replica` (cutting its decode run at `now_s`) and kick it."""
+        if replica.run is not None:
+            end = replica.cut(now_s)
+            if end is None:
+                self._step_seq[replica.name] = -1  # the run ended just now: its event is void
+            else:
+                self._push_step(replica, end)
+        replica.add(request)
         self._kick(replica, now_s)
 
     def _push(self, time_s: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (time_s, next(self._seq), kind, payload))
 
+    def _push_step(self, replica: Replica, end_s: float) -> None:
+        seq = next(self._seq)
+        self._step_seq[replica.name] = seq
+        heapq.heappush(self._heap, (end_s, seq, _STEP, replica))
+
     def _kick(self, replica: Replica, now_s: float) -> None:
         end = replica.start_step(now_s)
         if end is not None:
-            self._push(end, _STEP, replica)
+            self._push_step(replica, end)
 
     def _on_step(self, replica: Replica, now_s: float) -> None:
         finished, handoffs = replica.finish_step(now_s)
@@ -154,9 +175,7 @@ class Simulation:
             if replica.role == "prefill":
                 self._start_transfer(replica, h, now_s)
             else:  # preempted on a decode replica: a fresh prefill on a prefill replica
-                dst = self.front.pick()
-                dst.add(h.request)
-                self._kick(dst, now_s)
+                self._deliver(self.front.pick(), h.request, now_s)
         self._kick(replica, now_s)
 
     def _start_transfer(self, src: Replica, h: Handoff, now_s: float) -> None:
@@ -170,9 +189,7 @@ class Simulation:
         src, h = payload
         src.scheduler.release_handoff(h.request.request_id)
         assert self.to_decode is not None
-        dst = self.to_decode.pick()
-        dst.add(h.request)
-        self._kick(dst, now_s)
+        self._deliver(self.to_decode.pick(), h.request, now_s)
         self._kick(src, now_s)  # freed blocks may let a waiting prompt in
 
     def _record(self, req: Request, now_s: float) -> None:
@@ -185,6 +202,11 @@ class Simulation:
 
 def simulate(cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
              requests: Sequence[SimRequest], record_steps: bool = False,
-             dtype: str = "bfloat16", dtype_bytes: int = 2) -> SimResult:
-    """Run `requests` through `cluster` and return what happened."""
-    return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes).run(requests)
+             dtype: str = "bfloat16", dtype_bytes: int = 2, fast_forward: bool = True
+             ) -> SimResult:
+    """Run `requests` through `cluster` and return what happened.
+
+    fast_forward=False steps every decode through the scheduler (the same results, slower).
+    """
+    return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes,
+                      fast_forward).run(requests)
