@@ -178,9 +178,17 @@ class Scheduler:
         self._step_id += 1
         return out
 
-    def skip_steps(self, num_steps: int) -> None:
-        """Count steps applied without `schedule()` (`decode_run.advance_decode_run`)."""
-        self._step_id += num_steps
+    @property
+    def has_pending_block_copies(self) -> bool:
+        """True after an n > 1 fork, until the next `schedule()` hands its block copies out."""
+        return bool(self._pending_copies)
+
+    def skip_steps(self, num_steps: int) -> int:
+        """Count steps applied without `schedule()` (`decode_run`); return the first one's id."""
+        if self._in_flight is not None:
+            raise SchedulerError(f"step {self._in_flight[0]} is in flight: finish it first")
+        first, self._step_id = self._step_id, self._step_id + num_steps
+        return first
 
     def update_from_output(
         self,

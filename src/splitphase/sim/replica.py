@@ -6,13 +6,13 @@ batch (here: advance simulated time by the cost model's step time), then
 token is a fixed id and requests ignore EOS, so each request stops at its output length, as a
 trace replay does.
 
-Fast-forward: when the scheduler's step decodes every running request and
-`engine.decode_run.decode_run_length` proves the next steps would be the same step again, the
-replica prices the whole run at once and the simulator sees one step that ends where the run
-does; the steps after the first are applied together when it ends. Anything added to the
-replica meanwhile (an arrival, a transfer) first `cut`s the run where it stands: the steps ended
-by then are applied and the one in flight is scheduled by the scheduler itself, so a replica is
-never ahead of an event that could change its decisions. No request finishes inside a run, so
+Fast-forward: when `engine.decode_run.decode_run_length` proves that the next steps would each
+decode every running request and nothing else, the replica runs them as one decode run: it
+prices them (a stretch at a time) and the simulator sees one event per stretch; their tokens
+are applied together when the run ends. Anything added to the replica meanwhile (an arrival, a
+transfer) first `cut`s the run where it stands: the steps ended by then are applied, the one in
+flight finishes as priced (an addition only queues, so it cannot change a step already
+scheduled), and the scheduler decides the step after it. No request finishes inside a run, so
 the load a router reads (`outstanding`) is exact at any time.
 """
 
@@ -30,9 +30,10 @@ from splitphase.sim.cost_model import CostModel
 from splitphase.sim.workload import TRACE_BLOCK_TOKENS, SimRequest
 
 SAMPLED_TOKEN_ID = 1  # what the simulated sampler returns (EOS is ignored)
-# Steps priced when a run starts. Arrivals cut most runs well before this (a busy replica sees
-# one every ~20 steps); a run that reaches it simply starts again from a scheduled step.
-MAX_RUN_STEPS = 64
+MAX_RUN_STEPS = 4096  # a longer proven run is applied and proved again
+# Steps priced ahead at once: an arrival cuts a run every ~20 steps on a busy replica, and
+# steps priced past a cut are wasted; each stretch costs one event.
+RUN_STRETCH_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,14 @@ def make_request(sim: SimRequest) -> Request:
 
 @dataclass
 class DecodeRun:
-    """Steps 1..K of a run: step 1 is the scheduler's output in flight, the rest repeat it."""
+    """Decode steps proved alike, not yet applied; the first `len(ends_s)` of them priced."""
 
-    rows: list[Request]  # step 1's decode rows (the running list), in order
-    ends_s: list[float]  # when each step ends, step 1 first
-    durations_s: list[float]  # steps 2..K (step 1's is counted when it starts)
+    rows: list[Request]  # the running list when the run was proved, in order
+    positions: list[int]  # their num_computed_tokens then (step k feeds position + k - 1)
+    num_steps: int  # proved steps left
+    ends_s: list[float]  # when each priced step ends
+    durations_s: list[float]
+    first_step: int = 1  # the step of the run that ends_s[0] ends
 
 
 class Replica:
@@ -103,7 +107,7 @@ class Replica:
         self.role = config.role
         self.fast_forward = fast_forward and self.role != "prefill"  # prefill workers never decode
         self.in_flight: SchedulerOutput | None = None
-        self.run: DecodeRun | None = None  # when the step in flight starts a decode run
+        self.run: DecodeRun | None = None
         self.busy_s = 0.0
         self.prefill_busy_s = 0.0  # busy time attributed to prefill work (for cost by phase)
         self.num_steps = 0
@@ -113,9 +117,9 @@ class Replica:
     def add(self, request: Request) -> None:
         """Queue a new or handed-back request (a decode replica takes prefilled ones).
 
-        With a decode run in flight, `cut` it at the current time first.
+        A decode run in flight must be `cut` at the current time first.
         """
-        if self.run is not None:
+        if self.run is not None and self.run.num_steps > self.run.first_step:
             raise RuntimeError(f"{self.name}: a decode run is in flight; cut() it first")
         if self.role == "decode":
             self.scheduler.add_prefilled_request(request)
@@ -125,11 +129,17 @@ class Replica:
 
     def start_step(self, now_s: float) -> float | None:
         """Schedule a step (or a decode run) at `now_s`; return when it ends, or None if idle."""
-        return self._start(now_s, self.fast_forward)
-
-    def _start(self, now_s: float, allow_run: bool) -> float | None:
-        if self.in_flight is not None or not self.scheduler.has_unfinished_requests():
+        if self.in_flight is not None or self.run is not None:
             return None
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        if self.fast_forward:
+            k = decode_run_length(self.scheduler, SAMPLED_TOKEN_ID, MAX_RUN_STEPS)
+            if k:
+                rows = list(self.scheduler.running)
+                positions = [r.num_computed_tokens for r in rows]
+                self.run = DecodeRun(rows, positions, k, [], [])
+                return self._price(now_s)
         out = self.scheduler.schedule(now_s)
         if not out.num_seqs:
             return None
@@ -140,22 +150,34 @@ class Replica:
         self.num_steps += 1
         if self.steps is not None:
             self.steps.append(StepSummary.of(out, t.total_s))
-        end_s = now_s + t.total_s
-        if allow_run:
-            k = decode_run_length(self.scheduler, out, SAMPLED_TOKEN_ID, MAX_RUN_STEPS)
-            if k >= 2:
-                durations = self.cost.decode_steps_s(out.decode.positions, 1, k - 1)
-                ends = [end_s]
-                for d in durations:  # the same additions as one step after another
-                    end_s = end_s + d
-                    ends.append(end_s)
-                self.run = DecodeRun(list(self.scheduler.running), ends, durations)
+        return now_s + t.total_s
+
+    def _price(self, now_s: float) -> float:
+        """Price the run's next stretch from `now_s`, when its last priced step ended."""
+        run = self.run
+        assert run is not None
+        first = run.first_step + len(run.ends_s)
+        last = min(run.num_steps, first + RUN_STRETCH_STEPS - 1)
+        durations = self.cost.decode_steps_s(run.positions, first - 1, last - 1)
+        end_s = now_s
+        for d in durations:  # the same additions as one step after another
+            end_s = end_s + d
+            run.ends_s.append(end_s)
+        run.durations_s += durations
         return end_s
+
+    def continue_run(self, now_s: float) -> float | None:
+        """At the end of a priced stretch: price the next one and return its end (None: done)."""
+        run = self.run
+        if run is None or run.first_step + len(run.ends_s) > run.num_steps:
+            return None
+        return self._price(now_s)
 
     def finish_step(self, now_s: float) -> tuple[list[Request], list[Handoff]]:
         """Apply the in-flight step's tokens at `now_s`: (finished requests, handoffs out)."""
         if self.run is not None:
             self._apply_run(len(self.run.ends_s))  # nothing finishes or leaves inside a run
+            self.run = None
             return [], []
         out, self.in_flight = self.in_flight, None
         if out is None:
@@ -172,38 +194,36 @@ class Replica:
         """Stop the decode run in flight at `now_s`; return when the step then in flight ends.
 
         Steps that ended by `now_s` are applied (one ending at `now_s` comes first, as the
-        event loop orders a step end before an arrival at the same time) and the next one is
-        scheduled by the scheduler where it started. None: the whole run had ended.
+        event loop orders a step end before an arrival at the same time); the run keeps only
+        the step in flight. None: every priced step had ended (the run is over).
         """
         run = self.run
         if run is None:
             raise RuntimeError(f"{self.name}: no decode run to cut")
         done = bisect_right(run.ends_s, now_s)
-        if done == 0:
-            self.run = None  # step 1, the scheduler's own output, stays in flight
-            return run.ends_s[0]
-        self._apply_run(done)
         if done == len(run.ends_s):
+            self.finish_step(now_s)
             return None
-        end_s = self._start(run.ends_s[done - 1], allow_run=False)
-        if end_s != run.ends_s[done]:
-            raise RuntimeError(f"{self.name}: the scheduler left the decode run at step {done}")
-        return end_s
+        self._apply_run(done)
+        run.num_steps = run.first_step  # the step in flight is the run's last
+        del run.ends_s[1:], run.durations_s[1:]
+        return run.ends_s[0]
 
     def _apply_run(self, num_steps: int) -> None:
-        """Apply the run's steps 1..num_steps (step 1 through the scheduler's own update)."""
-        run, out = self.run, self.in_flight
-        assert run is not None and out is not None
-        self.run = self.in_flight = None
-        tok = [SAMPLED_TOKEN_ID]
-        ids = out.decode.request_ids
-        if self.scheduler.update_from_output(out, dict.fromkeys(ids, tok), run.ends_s[0]):
-            raise AssertionError(f"{self.name}: a request finished in a decode run's first step")
-        more = num_steps - 1
-        advance_decode_run(self.scheduler, run.rows, more, SAMPLED_TOKEN_ID, run.ends_s[1:])
-        for d in run.durations_s[:more]:  # summed one by one, as step after step would
+        """Apply the run's next `num_steps` priced steps and drop them from it."""
+        run = self.run
+        assert run is not None
+        if num_steps <= 0:
+            return
+        first_id = advance_decode_run(self.scheduler, run.rows, num_steps, SAMPLED_TOKEN_ID,
+                                      run.ends_s)
+        durations = run.durations_s[:num_steps]
+        for d in durations:  # summed one by one, as step after step would
             self.busy_s += d
-        self.num_steps += more
+        self.num_steps += num_steps
         if self.steps is not None:
-            self.steps.extend(StepSummary(out.step_id + k, (), ids, (), run.durations_s[k - 1])
-                              for k in range(1, num_steps))
+            ids = tuple(r.request_id for r in run.rows)
+            self.steps.extend(StepSummary(first_id + k, (), ids, (), d)
+                              for k, d in enumerate(durations))
+        run.first_step += num_steps
+        del run.ends_s[:num_steps], run.durations_s[:num_steps]

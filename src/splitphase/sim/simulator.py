@@ -168,6 +168,9 @@ class Simulation:
             self._push_step(replica, end)
 
     def _on_step(self, replica: Replica, now_s: float) -> None:
+        if (end := replica.continue_run(now_s)) is not None:
+            self._push_step(replica, end)  # the next priced stretch of a decode run
+            return
         finished, handoffs = replica.finish_step(now_s)
         for req in finished:
             self._record(req, now_s)
