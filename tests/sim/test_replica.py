@@ -56,11 +56,13 @@ def _engine_steps(engine: LLMEngine) -> list[SchedulerOutput]:
     return seen
 
 
+@pytest.mark.parametrize("fast_forward", [False, True])  # True: decode runs log every step too
 @pytest.mark.parametrize(
     ("policy", "num_blocks", "budget"),
     [("chunked", 64, 48), ("mixed", 64, 160), ("chunked", 14, 64)],  # the last one preempts
 )
-def test_replica_reproduces_engine_schedule(tiny_model, tokenizer, policy, num_blocks, budget):
+def test_replica_reproduces_engine_schedule(tiny_model, tokenizer, policy, num_blocks, budget,
+                                            fast_forward):
     engine = LLMEngine(tiny_model, tokenizer, EngineConfig(
         policy=policy, max_num_seqs=4, max_num_batched_tokens=budget, block_size=16,
         num_blocks=num_blocks))
@@ -76,20 +78,23 @@ def test_replica_reproduces_engine_schedule(tiny_model, tokenizer, policy, num_b
 
     replica = Replica("c0", engine.scheduler.config, CostModel(tiny_model.cfg,
                                                                  get_hardware("h100")),
-                      record_steps=True)
+                      record_steps=True, fast_forward=fast_forward)
     for i, (ids, n) in enumerate(zip(prompts, outputs, strict=True)):
         replica.add(Request(f"r{i}", ids, SamplingParams(max_tokens=n, ignore_eos=True), 0.0))
-    now = 0.0
+    now, num_events = 0.0, 0
     while True:
         end = replica.start_step(now)
         if end is None:
             break
+        while (more := replica.continue_run(end)) is not None:  # a decode run's next stretch
+            end = more
         replica.finish_step(end)
-        now = end
+        now, num_events = end, num_events + 1
     assert replica.steps is not None
     simulated = [StepSummary(s.step_id, s.chunks, s.decodes, s.preempted, 0.0)
                  for s in replica.steps]
     assert len(simulated) == len(real) > 8
+    assert (num_events < len(real)) == fast_forward  # decode runs took several steps at once
     assert [(s.chunks, s.decodes, s.preempted) for s in simulated] == [
         (s.chunks, s.decodes, s.preempted) for s in real]
     if num_blocks == 14:
