@@ -61,3 +61,16 @@ def test_moe_and_dual_flow_keep_the_general_path() -> None:
     out = SchedulerOutput(0, (ScheduledChunk("c", 0, 512, True, 1, (), ()),),
                           _decodes([899]), (), (), (), 16)
     assert cm.step_time_of(out) == cm.step_time([(512, 0)], [899])
+
+
+@pytest.mark.parametrize(("name", "tp"), [("llama-3.1-8b", 1), ("llama-3.1-8b", 2),
+                                          ("mixtral-8x7b", 2)])
+def test_a_decode_run_is_priced_as_its_steps(name: str, tp: int) -> None:
+    cm = CostModel(ModelConfig.from_name(name), get_hardware("h100-sxm"), tp)
+    positions = [17, 900, 4000, 63]
+    times = cm.decode_steps_s(positions, 3, 40)
+    assert len(times) == 38
+    for k, t in zip(range(3, 41), times, strict=True):
+        rows = [p + k for p in positions]
+        out = SchedulerOutput(k, (), _decodes(rows), (), (), (), 16)
+        assert t == cm.step_time_of(out).total_s == cm.step_time([], rows).total_s

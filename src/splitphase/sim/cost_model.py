@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -189,38 +189,47 @@ class CostModel:
     def decode_steps_s(self, positions: Sequence[int], first: int, last: int) -> list[float]:
         """Times of decode-only steps k = first..last, whose rows sit at `positions` + k.
 
-        Each equals `step_time_of` of that step's `SchedulerOutput` (the same call underneath).
+        Each equals `step_time_of` of that step's `SchedulerOutput` (the same arithmetic).
         """
-        n, steps = len(positions), range(first, last + 1)
+        n = len(positions)
         if self._dense is not None:
-            cached, one = sum(positions), self._decode_only_time
-            return [one(n, cached + k * n).total_s for k in steps]
-        return [self.step_time([], [p + k for p in positions]).total_s for k in steps]
+            cached = sum(positions)
+            return self._decode_only_totals(n, range(cached + first * n, cached + last * n + 1, n))
+        return [self.step_time([], [p + k for p in positions]).total_s
+                for k in range(first, last + 1)]
 
     def _decode_only_time(self, num_decodes: int, num_cached: int) -> StepTime:
-        """`_time_of(work([], n, cached))` of a dense model, term for term, with no prefill part.
+        """`_time_of(work([], n, cached))` of a dense model, with no prefill part."""
+        # No prefill work: its share is 0.0, as _time_of finds.
+        return StepTime(self._decode_only_totals(num_decodes, (num_cached,))[0], 0.0)
+
+    def _decode_only_totals(self, num_decodes: int, num_cached: Iterable[int]) -> list[float]:
+        """`_time_of(work([], n, c)).total_s` of a dense model for each c, term for term.
 
         Most simulated steps decode only; this skips the prefill half's zero terms and the
-        StepWork tuple. The float operations are the same ones in the same order, so the time
-        is bit-identical (tests/sim/test_step_work.py compares the two).
+        StepWork tuple, and hoists what does not depend on c. The float operations are the same
+        ones in the same order, so each time is bit-identical (tests/sim/test_step_work.py).
         """
         d = self._dense
         assert d is not None
-        eff = self.efficiency
+        eff, rows = self.efficiency, num_decodes
         flops_rate, bytes_rate, kv_rate = self._rates
-        rows, pairs = num_decodes, num_cached + num_decodes
-        pair_flops = d.pair_flops * pairs
-        flops = float(d.row_flops * rows + pair_flops + d.logit_flops * rows)
-        attn_flops = float(pair_flops)
-        kv_bytes = d.kv_bytes * (num_cached + rows)
-        step_bytes = d.dtype_bytes * (d.params + rows * d.d_model) + kv_bytes
-        attn_bytes = float(kv_bytes)
+        row_flops = d.row_flops * rows + d.logit_flops * rows  # integers: any order is exact
+        weight_bytes = d.dtype_bytes * (d.params + rows * d.d_model)
         gemm_rate = flops_rate * rows / (rows + eff.gemm_half_tokens)
-        dense_s = max((flops - attn_flops) / gemm_rate, (step_bytes - attn_bytes) / bytes_rate)
-        roof_s = dense_s + max(attn_flops / flops_rate, attn_bytes / kv_rate)
-        total = eff.step_overhead_s + eff.per_seq_overhead_s * rows + roof_s
-        total += self.allreduce_s(rows)
-        return StepTime(total, 0.0)  # no prefill work: its share is 0.0, as _time_of finds
+        base_s = eff.step_overhead_s + eff.per_seq_overhead_s * rows
+        allreduce_s = self.allreduce_s(rows)
+        pair_flops_per, kv_bytes_per = d.pair_flops, d.kv_bytes
+        times = []
+        for c in num_cached:
+            pair_flops = pair_flops_per * (c + rows)  # each row attends its cache plus itself
+            kv_bytes = kv_bytes_per * (c + rows)
+            attn_flops, attn_bytes = float(pair_flops), float(kv_bytes)
+            dense_s = max((float(row_flops + pair_flops) - attn_flops) / gemm_rate,
+                          (weight_bytes + kv_bytes - attn_bytes) / bytes_rate)
+            roof_s = dense_s + max(attn_flops / flops_rate, attn_bytes / kv_rate)
+            times.append(base_s + roof_s + allreduce_s)
+        return times
 
     @cached_property
     def _dense(self) -> DenseStepWork | None:
