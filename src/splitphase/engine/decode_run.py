@@ -43,19 +43,24 @@ def decode_run_length(sched: Scheduler, token_id: int, max_steps: int) -> int:
         return 0
     if sched.waiting and not _admission_stays_blocked(sched, len(running)):
         return 0
-    max_len, eos, status = sched.max_model_len, sched.config.eos_token_id, RequestStatus.RUNNING
-    steps = max_steps
+    eos, status = sched.config.eos_token_id, RequestStatus.RUNNING
+    # A row finishes in step s when its outputs + s reach max_tokens or its tokens + s reach
+    # max_model_len: the run stops before the first such step. (Inlined: once per row per run.)
+    steps, tokens_left = max_steps, sched.max_model_len - 1
     for r in running:
-        sp = r.sampling_params
+        sp, outputs = r.sampling_params, len(r.output_token_ids)
         if r.status is not status or r.num_computed_tokens < r.prefill_len:
             return 0  # still in its prompt: a chunk, not a decode
-        if token_id in sp.stop_token_ids or (
+        if sp.stop_token_ids and token_id in sp.stop_token_ids or (
                 not sp.ignore_eos and token_id == (r.eos_token_id if r.eos_token_id is not None
                                                    else eos)):
             return 0
-        # The row finishes in step s when outputs + s reach a limit: the run stops before it.
-        steps = min(steps, sp.max_tokens - len(r.output_token_ids) - 1,
-                    max_len - r.num_tokens - 1)
+        left = sp.max_tokens - outputs - 1
+        if left < steps:
+            steps = left
+        left = tokens_left - len(r.prompt_token_ids) - outputs
+        if left < steps:
+            steps = left
     if steps < 1:
         return 0
     bm = sched.block_manager
@@ -94,8 +99,10 @@ def _block_events(rows: Sequence[Request], block_size: int, last: int) -> list[t
     """(step, row) of each block allocation in steps 1..last."""
     events: list[tuple[int, int]] = []
     for i, r in enumerate(rows):
-        events.extend((s, i) for s in range(_first_block_step(r, block_size), last + 1,
-                                             block_size))
+        s = len(r.block_table) * block_size - r.num_computed_tokens + 1  # _first_block_step
+        while s <= last:  # most runs are shorter than a block: at most one crossing a row
+            events.append((s, i))
+            s += block_size
     return events
 
 
