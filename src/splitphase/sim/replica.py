@@ -30,7 +30,7 @@ from splitphase.sim.cost_model import CostModel
 from splitphase.sim.workload import TRACE_BLOCK_TOKENS, SimRequest
 
 SAMPLED_TOKEN_ID = 1  # what the simulated sampler returns (EOS is ignored)
-MAX_RUN_STEPS = 4096  # a longer proven run is applied and proved again
+MAX_RUN_STEPS = 4096  # a longer proved run is applied and proved again
 # Steps priced ahead at once: an arrival cuts a run every ~20 steps on a busy replica, and
 # steps priced past a cut are wasted; each stretch costs one event.
 RUN_STRETCH_STEPS = 16
@@ -86,14 +86,14 @@ def make_request(sim: SimRequest) -> Request:
 
 @dataclass
 class DecodeRun:
-    """Decode steps proved alike, not yet applied; the first `len(ends_s)` of them priced."""
+    """Steps first_step..last_step of a proved decode run, not yet applied; some priced."""
 
     rows: list[Request]  # the running list when the run was proved, in order
     positions: list[int]  # their num_computed_tokens then (step k feeds position + k - 1)
-    num_steps: int  # proved steps left
-    ends_s: list[float]  # when each priced step ends
+    last_step: int
+    ends_s: list[float]  # when each priced step ends, from first_step on
     durations_s: list[float]
-    first_step: int = 1  # the step of the run that ends_s[0] ends
+    first_step: int = 1
 
 
 class Replica:
@@ -119,7 +119,7 @@ class Replica:
 
         A decode run in flight must be `cut` at the current time first.
         """
-        if self.run is not None and self.run.num_steps > self.run.first_step:
+        if self.run is not None and self.run.last_step > self.run.first_step:
             raise RuntimeError(f"{self.name}: a decode run is in flight; cut() it first")
         if self.role == "decode":
             self.scheduler.add_prefilled_request(request)
@@ -157,7 +157,7 @@ class Replica:
         run = self.run
         assert run is not None
         first = run.first_step + len(run.ends_s)
-        last = min(run.num_steps, first + RUN_STRETCH_STEPS - 1)
+        last = min(run.last_step, first + RUN_STRETCH_STEPS - 1)
         durations = self.cost.decode_steps_s(run.positions, first - 1, last - 1)
         end_s = now_s
         for d in durations:  # the same additions as one step after another
@@ -169,7 +169,7 @@ class Replica:
     def continue_run(self, now_s: float) -> float | None:
         """At the end of a priced stretch: price the next one and return its end (None: done)."""
         run = self.run
-        if run is None or run.first_step + len(run.ends_s) > run.num_steps:
+        if run is None or run.first_step + len(run.ends_s) > run.last_step:
             return None
         return self._price(now_s)
 
@@ -201,11 +201,11 @@ class Replica:
         if run is None:
             raise RuntimeError(f"{self.name}: no decode run to cut")
         done = bisect_right(run.ends_s, now_s)
-        if done == len(run.ends_s):
-            self.finish_step(now_s)
+        if done == len(run.ends_s):  # only at a tie the event loop popped first (a dispatch)
+            self.finish_step(now_s)  # unpriced proved steps are proved again at the next kick
             return None
         self._apply_run(done)
-        run.num_steps = run.first_step  # the step in flight is the run's last
+        run.last_step = run.first_step  # the step in flight is the run's last
         del run.ends_s[1:], run.durations_s[1:]
         return run.ends_s[0]
 

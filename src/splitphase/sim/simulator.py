@@ -7,7 +7,7 @@ blocks, the decode replica takes the request). After every event the replicas it
 their next step if they are idle and have work: continuous batching, one step in flight each.
 Each prefill replica sends one KV transfer at a time over its link (the transfer queue). An
 optional dispatch delay models a front end's hop between a request's arrival and its replica.
-A replica may run a run of identical decode steps as one (see `sim.replica`, fast-forward): a
+A replica may take a run of identical decode steps as one (`sim.replica`, fast-forward): a
 request delivered to it cuts the run first, and the step-end event the run had pushed goes
 stale (each replica's latest step event is the live one; stale ones are skipped).
 """
