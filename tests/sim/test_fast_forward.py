@@ -48,11 +48,19 @@ CASES = {
 
 
 def _run(cluster: ClusterConfig, reqs: list[SimRequest], fast_forward: bool
-         ) -> tuple[SimResult, dict[str, dict[int, SchedulerOutput]]]:
-    """Simulate with step logs; also keep every SchedulerOutput the schedulers produced."""
+         ) -> tuple[SimResult, dict[str, dict[int, SchedulerOutput]], list[float]]:
+    """Simulate with step logs; also keep every SchedulerOutput and the times runs were cut."""
     sim = Simulation(cluster, CFG, HW, record_steps=True, fast_forward=fast_forward)
     outputs: dict[str, dict[int, SchedulerOutput]] = {}
+    cuts: list[float] = []
     for replica in sim.colocated + sim.prefill + sim.decode:
+        orig_cut = replica.cut
+
+        def cut(now_s: float, orig_cut=orig_cut) -> float | None:  # type: ignore[no-untyped-def]
+            cuts.append(now_s)
+            return orig_cut(now_s)
+
+        replica.cut = cut  # type: ignore[method-assign]
         seen = outputs[replica.name] = {}
         orig = replica.scheduler.schedule
 
@@ -62,14 +70,14 @@ def _run(cluster: ClusterConfig, reqs: list[SimRequest], fast_forward: bool
             return out
 
         replica.scheduler.schedule = record  # type: ignore[method-assign]
-    return sim.run(reqs), outputs
+    return sim.run(reqs), outputs, cuts
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_forward_changes_nothing_but_the_work(case: str) -> None:
     cluster, reqs = CASES[case]
-    slow, slow_outs = _run(cluster, reqs, fast_forward=False)
-    fast, fast_outs = _run(cluster, reqs, fast_forward=True)
+    slow, slow_outs, _ = _run(cluster, reqs, fast_forward=False)
+    fast, fast_outs, cuts = _run(cluster, reqs, fast_forward=True)
 
     def timeline(res: SimResult) -> list[tuple[object, ...]]:
         return sorted((r.index, r.arrival_s, r.first_token_s, r.finished_s, r.prompt_len,
@@ -90,5 +98,6 @@ def test_fast_forward_changes_nothing_but_the_work(case: str) -> None:
     # The runs did skip scheduling: far fewer schedule() calls and events.
     assert sum(map(len, fast_outs.values())) < 0.6 * sum(map(len, slow_outs.values()))
     assert fast.events < slow.events
+    assert cuts, "requests should arrive (or transfer in) while decode runs are in flight"
     if case == "preempting":
         assert any(r.num_preemptions for r in slow.records), "the pool should force preemption"
