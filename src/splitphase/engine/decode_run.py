@@ -41,6 +41,9 @@ def decode_run_length(sched: Scheduler, token_id: int, max_steps: int) -> int:
     running = sched.running
     if not running or sched.has_pending_block_copies or max_steps < 1:
         return 0
+    youngest = running[-1]  # the one most often still in its prompt: ask it before the loop
+    if youngest.num_computed_tokens < youngest.prefill_len:
+        return 0
     if sched.waiting and not _admission_stays_blocked(sched, len(running)):
         return 0
     eos, status = sched.config.eos_token_id, RequestStatus.RUNNING

@@ -104,12 +104,13 @@ class Simulation:
         reqs = sorted(requests, key=lambda r: r.arrival_s)
         i, n, events, now = 0, len(reqs), 0, 0.0
         heap = self._heap
+        step_seq = self._step_seq
         while i < n or heap:
-            events += 1
             if heap and (i >= n or heap[0][0] <= reqs[i].arrival_s):
                 t, seq, kind, payload = heapq.heappop(heap)
-                if kind == _STEP and self._step_seq[payload.name] != seq:  # type: ignore[attr-defined]
-                    continue  # the end of a decode run that a delivery cut short
+                if kind == _STEP and step_seq[payload.name] != seq:  # type: ignore[attr-defined]
+                    continue  # the end of a decode run that a delivery cut short: not an event
+                events += 1
                 now = t
                 if kind == _STEP:
                     self._on_step(payload, now)  # type: ignore[arg-type]
@@ -118,6 +119,7 @@ class Simulation:
                 else:
                     self._admit(payload, now)  # type: ignore[arg-type]
             else:
+                events += 1
                 sim = reqs[i]
                 i += 1
                 now = sim.arrival_s
