@@ -23,6 +23,7 @@ from typing import Any
 
 from splitphase.engine.async_engine import EngineDeadError
 from splitphase.engine.engine_core import CoreState
+from splitphase.engine.engine_wire import DeltaDecoder, OutputDelta
 from splitphase.engine.llm_engine import LLMEngine, RequestOutput, StepFailedError, StepRecord
 from splitphase.engine.request import RequestStatus, validate_prompt
 from splitphase.engine.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class EngineCoreClient:
         self.state = CoreState(False, 0, 0, 0, 0, 0)
         self._sent = 0  # commands sent; the core has handled `state.commands_handled` of them
         self._ids = itertools.count()
+        self._decoder = DeltaDecoder()
         # `wake()` ends a `step()` that waits for the core: a command queued meanwhile (an add,
         # an abort) then goes out now instead of after the core's next step.
         self._wake_r, self._wake_w = os.pipe()
@@ -141,8 +143,8 @@ class EngineCoreClient:
             raise StepFailedError(request_ids, cause)
         if kind == "idle":
             return []
-        outputs: list[RequestOutput] = body[0]
-        return outputs
+        deltas: list[OutputDelta] = body[0]
+        return [self._decoder.decode(d) for d in deltas]
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def close(self, timeout_s: float = 10.0) -> None:

@@ -12,7 +12,7 @@ its `CoreState`):
                      ("abort", request_id, status)
                      ("close",)                      stop after the current step
     core -> parent   ("ready", info)                 once, after the engine is built
-                     ("step", outputs, records, state)
+                     ("step", output_deltas, records, state)   (engine_wire.py)
                      ("failed", request_ids, cause, records, state)   a step's forward raised
                      ("idle", records, state)        commands handled and nothing left to run
 Commands are not answered one by one: a reply would cost a whole step of waiting each, and a
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from splitphase.engine.engine_wire import DeltaEncoder
 from splitphase.engine.llm_engine import LLMEngine, StepFailedError
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class _CoreLoop:
     def __init__(self, conn: Connection, engine: LLMEngine) -> None:
         self.conn, self.engine = conn, engine
         self.closed = False
+        self.encoder = DeltaEncoder()
         self.handled = 0  # commands handled so far
         self.reported = 0  # `handled` as of the last message sent
 
@@ -130,7 +132,7 @@ class _CoreLoop:
         except StepFailedError as exc:  # a failed forward ends its requests; serving goes on
             self._send("failed", exc.request_ids, _picklable(exc.cause), self._records())
             return
-        self._send("step", outputs, self._records())
+        self._send("step", [self.encoder.encode(o) for o in outputs], self._records())
 
     def _send(self, *msg: Any) -> None:
         self.reported = self.handled
