@@ -301,8 +301,9 @@ def main() -> None:
                    help="server and offline runs per level, alternated; the fastest of each "
                    "is reported")
     p.add_argument("--policy", default="chunked", choices=["mixed", "chunked"])
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                   help="the server's engine in its own process (default: on a thread)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's engine in its own process, as `serve` does by default "
+                   "(--no-engine-process: on a thread)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (server and offline)")
     p.add_argument("--hardware", default="h100",
                    help="peaks for the server's utilization gauges (a table name skips the "

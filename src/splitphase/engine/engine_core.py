@@ -6,12 +6,13 @@ engine's steps stretch (a GIL convoy); a busy neighbour *process* costs it almos
 vLLM v1 splits the same way (its EngineCore process). Here the core loop only schedules,
 runs the model, samples and detokenizes; the API process does HTTP and streams.
 
-The protocol (pickled tuples on one duplex `Connection`; every message from the core ends with
-its `CoreState`):
+The protocol (pickled tuples on one duplex `Connection`; after "ready", every message from the
+core ends with its `CoreState`):
     parent -> core   ("add", prompt_ids, params, request_id, arrival_s, prompt_logprobs)
                      ("abort", request_id, status)
                      ("close",)                      stop after the current step
     core -> parent   ("ready", info)                 once, after the engine is built
+                     ("error", exc)                  instead, when it could not be built
                      ("step", output_deltas, records, state)   (engine_wire.py)
                      ("failed", request_ids, cause, records, state)   a step's forward raised
                      ("idle", records, state)        commands handled and nothing left to run

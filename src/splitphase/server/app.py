@@ -47,7 +47,7 @@ def create_app(config: ServerConfig, llm: LLM | None = None) -> FastAPI:
     """An app serving `config.model` (or an already built `llm`, e.g. in tests)."""
     if llm is None:
         llm = LLM(config.model, device=config.device, dtype=config.dtype,
-                  engine_process=config.engine_process, **config.engine_kwargs())
+                  engine_process=config.runs_engine_process, **config.engine_kwargs())
     device = str(llm.model.device) if llm.model is not None else str(pick_device(config.device))
     state = ServerState(config, llm, resolve_hardware(config.hardware, device))
 

@@ -39,9 +39,9 @@ class ServerConfig:
     utilization_window_s: float = 10.0  # the utilization gauges average steps this recent
     max_step_records: int = 4096
     # The engine in its own process (engine/engine_core.py) instead of a thread of this one:
-    # the event loop then never holds the GIL the engine's steps need. Not for disaggregated
-    # (its engine already drives worker processes).
-    engine_process: bool = False
+    # the event loop then never holds the GIL the engine's steps need. None: yes, except for
+    # disaggregated (its engine already drives worker processes). See `runs_engine_process`.
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in serve_policies():
@@ -72,6 +72,13 @@ class ServerConfig:
     def model_id(self) -> str:
         """The id `/v1/models` lists and requests name."""
         return self.served_model_name or self.model
+
+    @property
+    def runs_engine_process(self) -> bool:
+        """Whether the engine runs in its own process (README "Server overhead")."""
+        if self.engine_process is None:
+            return self.policy != "disaggregated"
+        return self.engine_process
 
     def engine_kwargs(self) -> dict[str, Any]:
         """EngineConfig fields for `LLM(...)`."""
