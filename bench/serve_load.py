@@ -129,22 +129,31 @@ async def closed_loop(url: str, work: list[str], level: int, max_tokens: int,
             await conn.close()
 
 
-def thread_cpu_s(pid: int) -> tuple[float, float] | None:
-    """CPU seconds of a process so far: (its main thread, all its other threads); Linux only.
+def _stat_cpu_s(path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    The server's main thread runs the event loop (HTTP, SSE); the others are the engine thread
-    and the tokenizer's worker threads.
+
+def thread_cpu_s(pid: int) -> tuple[float, float] | None:
+    """CPU seconds of a process so far: (its main thread, all its other threads and its child
+    processes); Linux only.
+
+    The server's main thread runs the event loop (HTTP, SSE); the rest is the engine: its
+    thread (and the tokenizer's worker threads), or with --engine-process, the thread that
+    talks to the engine core plus the core process itself.
     """
-    tick_per_s, main_s, other_s = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
+    main_s, other_s = 0.0, 0.0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            cpu_s = (int(fields[11]) + int(fields[12])) / tick_per_s  # utime + stime
+            cpu_s = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
             if int(tid) == pid:
                 main_s += cpu_s
             else:
                 other_s += cpu_s
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                other_s += sum(_stat_cpu_s(f"/proc/{child}/stat") for child in f.read().split())
     except OSError:
         return None
     return main_s, other_s
@@ -246,7 +255,8 @@ def sweep(args: argparse.Namespace, model_name: str) -> dict:
     model, tok = first.model, first.tokenizer
     work = prompts(args.requests)
     serve_args = ["--model", model_name, "--policy", args.policy, "--device", str(device),
-                  "--max-num-seqs", str(max(args.levels)), "--hardware", args.hardware]
+                  "--max-num-seqs", str(max(args.levels)), "--hardware", args.hardware,
+                  "--engine-process" if args.engine_process else "--no-engine-process"]
     rows = []
     server = ServerProcess(serve_args, host="127.0.0.1")
     with server as url:
@@ -273,7 +283,8 @@ def sweep(args: argparse.Namespace, model_name: str) -> dict:
                          "throughput_ratio": ratio, "overhead_frac": 1.0 - ratio,
                          "text_match_frac": match / max(1, len(off_by_id))})
     return {"bench": "serve_load", "model": args.model or model_label(args.quick),
-            "policy": args.policy, "device": str(device), "torch_threads": torch.get_num_threads(),
+            "policy": args.policy, "engine_process": args.engine_process,
+            "device": str(device), "torch_threads": torch.get_num_threads(),
             "requests_per_level": args.requests, "max_tokens": args.max_tokens,
             "repeats": args.repeats,
             "levels": rows}
@@ -290,6 +301,9 @@ def main() -> None:
                    help="server and offline runs per level, alternated; the fastest of each "
                    "is reported")
     p.add_argument("--policy", default="chunked", choices=["mixed", "chunked"])
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's engine in its own process, as `serve` does by default "
+                   "(--no-engine-process: on a thread)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (server and offline)")
     p.add_argument("--hardware", default="h100",
                    help="peaks for the server's utilization gauges (a table name skips the "

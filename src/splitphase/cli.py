@@ -83,6 +83,7 @@ def _serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         shutdown_timeout_s=args.shutdown_timeout,
         health_stall_s=args.health_stall_timeout,
+        engine_process=args.engine_process,
     )
     serve(config, args.host, args.port, args.log_level)
 
@@ -111,6 +112,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--health-stall-timeout", type=float, default=30.0,
                     help="/health answers 503 when no engine step ended for this many seconds "
                     "with work queued (a stuck engine loop)")
+    sv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the engine in its own process, the default except for "
+                    "--policy disaggregated (--no-engine-process: on a thread of the server)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 

@@ -19,8 +19,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_ckpt: Path, launch: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
-    proc = launch(tiny_ckpt, "--max-num-seqs", "32")
+# The engine on a thread of the server, or in its own process: every route behaves the same.
+ENGINE_MODES = ["--no-engine-process", "--engine-process"]
+
+
+@pytest.fixture(scope="module", params=ENGINE_MODES, ids=["engine-thread", "engine-process"])
+def server(tiny_ckpt: Path, launch: Callable[..., ServerProcess],
+           request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    proc = launch(tiny_ckpt, "--max-num-seqs", "32", request.param)
     yield proc
     assert proc.stop() == 0, proc.log()

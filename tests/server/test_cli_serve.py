@@ -62,3 +62,13 @@ def test_disaggregated_needs_its_engine_module(monkeypatch: pytest.MonkeyPatch) 
     assert "disaggregated" not in serve_policies()
     with pytest.raises(ValueError, match="not installed"):
         ServerConfig(policy="disaggregated")
+
+
+def test_the_engine_runs_in_its_own_process_unless_disaggregated() -> None:
+    assert build_parser().parse_args(["serve"]).engine_process is None
+    assert build_parser().parse_args(["serve", "--no-engine-process"]).engine_process is False
+    assert ServerConfig().runs_engine_process
+    assert not ServerConfig(engine_process=False).runs_engine_process
+    assert not ServerConfig(policy="disaggregated").runs_engine_process
+    with pytest.raises(ValueError, match="already runs its engines in worker processes"):
+        ServerConfig(policy="disaggregated", engine_process=True)

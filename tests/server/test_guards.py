@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from splitphase.server.process import ServerProcess
 from splitphase.server.sse import run_to_end
 
 KEY = "s3cret-key"
+ENGINE_MODES = ["--no-engine-process", "--engine-process"]  # as in conftest's `server`
 LONG = {"prompt": [0, *range(300, 340)], "max_tokens": 200, "ignore_eos": True}
 
 
@@ -66,9 +68,11 @@ def test_full_queue_is_429_with_retry_after(guarded: ServerProcess) -> None:
         assert too_big.status_code == 400 and "at most 1" in too_big.text
 
 
+@pytest.mark.parametrize("mode", ENGINE_MODES)
 def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path,
-                                                  launch: Callable[..., ServerProcess]) -> None:
-    proc = launch(tiny_ckpt, "--max-num-seqs", "1")
+                                                  launch: Callable[..., ServerProcess],
+                                                  mode: str) -> None:
+    proc = launch(tiny_ckpt, "--max-num-seqs", "1", mode)
     results: list[httpx.Response] = []
     try:
         # One seat: two queued non-streamed requests keep the drain busy behind the stream.
@@ -81,8 +85,11 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path,
             assert next(lines).startswith("data: ")
             for w in workers:
                 w.start()
-            while httpx.get(proc.url + "/health", timeout=10).json()["in_flight"] < 3:
-                time.sleep(0.002)  # both queued requests are admitted before the signal
+            # Both queued requests are admitted before the signal. The stream may be done by
+            # then (its tokens wait in the socket): an engine in its own process is fast.
+            while (httpx.get(proc.url + "/health", timeout=10).json()["in_flight"]
+                   + _finished_requests(proc) < 3):
+                time.sleep(0.002)
             assert proc.proc is not None
             proc.proc.send_signal(signal.SIGTERM)
             refused = client.post(proc.url + "/v1/completions", json={"prompt": "x"})
@@ -98,6 +105,13 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_ckpt: Path,
     finally:
         proc.stop()
     assert "drained" in proc.log()
+
+
+def _finished_requests(proc: ServerProcess) -> int:
+    """Requests the server finished so far (its end-to-end latency histogram's count)."""
+    text = httpx.get(proc.url + "/metrics", timeout=10).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("splitphase:e2e_request_latency_seconds_count"))
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +218,26 @@ def test_a_crashed_engine_loop_fails_requests_with_503(tiny_ckpt: Path, monkeypa
         assert client.get("/health").status_code == 503
         again = client.post("/v1/completions", json={"prompt": "x"})
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_a_killed_engine_core_fails_its_streams_then_answers_503(
+        tiny_ckpt: Path, launch: Callable[..., ServerProcess]) -> None:
+    proc = launch(tiny_ckpt, "--engine-process")
+    try:
+        pid = httpx.get(proc.url + "/health", timeout=10).json()["engine_core_pid"]
+        with httpx.Client(timeout=30) as client, client.stream(
+            "POST", proc.url + "/v1/completions", json={**LONG, "stream": True}
+        ) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+            assert "choices" in next(lines)
+            os.kill(pid, signal.SIGKILL)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        assert "error" in json.loads(rest[-2][6:])  # an error event, not a cut stream
+        refused = httpx.post(proc.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "engine_unavailable"
+        health = httpx.get(proc.url + "/health", timeout=10)
+        assert health.status_code == 503 and not health.json()["engine_running"]
+    finally:
+        proc.stop()

@@ -86,6 +86,9 @@ class AsyncEngine:
             queue.Queue()
         )
         self._streams: dict[str, _Stream] = {}
+        # An engine that blocks in `step()` on another process (EngineCoreClient) has `wake`:
+        # called after each command is queued, so the command need not wait out a step.
+        self._wake: Callable[[], None] | None = getattr(engine, "wake", None)
         self._idle_wait_s = idle_wait_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,7 +120,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put((fn, fut))
+        self._put_command(fn, fut)
         if not self.is_running:  # the loop stopped between the check and the put
             self._fail_commands(EngineDeadError("the engine loop is not running"))
         return await asyncio.wrap_future(fut)
@@ -185,12 +188,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort from any thread; blocks are freed on the engine thread before the next step."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put((lambda: self._abort_now(request_id), fut))
+        self._put_command(lambda: self._abort_now(request_id), fut)
 
     def fail_all(self, exc: BaseException) -> None:
         """End every request in flight with `exc` (from any thread; before the next step)."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put((lambda: self._fail_in_flight(exc), fut))
+        self._put_command(lambda: self._fail_in_flight(exc), fut)
+
+    def _put_command(self, fn: Callable[[], Any], fut: concurrent.futures.Future[Any]) -> None:
+        self._commands.put((fn, fut))
+        if self._wake is not None:
+            self._wake()
 
     def _abort_now(self, request_id: str) -> None:
         self.engine.abort_request(request_id)

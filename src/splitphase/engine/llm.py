@@ -10,6 +10,8 @@ import torch
 
 from splitphase.engine.config import EngineConfig
 from splitphase.engine.disagg import DisaggregatedEngine
+from splitphase.engine.engine_client import EngineCoreClient
+from splitphase.engine.engine_core import engine_factory
 from splitphase.engine.llm_engine import LLMEngine, RequestOutput, StepRecord
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.model.checkpoint import load_model, load_tokenizer
@@ -57,6 +59,8 @@ class LLM:
     `policy="disaggregated"` starts a prefill and a decode worker process
     (`splitphase.engine.disagg`): they load the model themselves (an in-memory model goes
     through a temporary checkpoint), so `self.model` is None for a model given by name.
+    `engine_process=True` runs the engine in one child process (`engine_core.py`; a server's
+    event loop then never holds the GIL the engine needs); it too needs `close()`.
     Call `close()` (or use `with LLM(...) as llm:`) to stop them.
     """
 
@@ -66,13 +70,14 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         device: str = "auto",
         dtype: str | None = None,
+        engine_process: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
-        self.engine: LLMEngine | DisaggregatedEngine
+        self.engine: LLMEngine | DisaggregatedEngine | EngineCoreClient
         self.model: Transformer | None
         if engine_kwargs.get("policy") == "disaggregated":
             self.model = model if isinstance(model, Transformer) else None
@@ -80,6 +85,15 @@ class LLM:
                 model, tokenizer, str(pick_device(device)), dtype, **engine_kwargs
             )
             self.tokenizer = self.engine.tokenizer
+            return
+        if engine_process:
+            if not isinstance(model, str):
+                raise TypeError("engine_process=True loads the model in the child: give its "
+                                "name or checkpoint directory, not a Transformer")
+            self.model, self.tokenizer = None, tokenizer or load_tokenizer(model)
+            self.engine = EngineCoreClient.launch(
+                engine_factory(model, str(pick_device(device)), dtype, engine_kwargs),
+                self.tokenizer)
             return
         if isinstance(model, str):
             self.model = load_model(model, device=pick_device(device), dtype=dtype)
@@ -93,8 +107,8 @@ class LLM:
         return self.engine.steps
 
     def close(self) -> None:
-        """Stop the worker processes of a disaggregated engine (no-op otherwise)."""
-        if isinstance(self.engine, DisaggregatedEngine):
+        """Stop the worker or engine core processes (no-op for an in-process engine)."""
+        if isinstance(self.engine, DisaggregatedEngine | EngineCoreClient):
             self.engine.close()
 
     def __enter__(self) -> LLM:

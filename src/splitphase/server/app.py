@@ -40,14 +40,15 @@ from splitphase.server.protocol import (
 )
 from splitphase.server.sampling import check_token_ids
 from splitphase.server.state import ServerState
+from splitphase.training.trainer import pick_device
 
 
 def create_app(config: ServerConfig, llm: LLM | None = None) -> FastAPI:
     """An app serving `config.model` (or an already built `llm`, e.g. in tests)."""
     if llm is None:
         llm = LLM(config.model, device=config.device, dtype=config.dtype,
-                  **config.engine_kwargs())
-    device = str(llm.model.device) if llm.model is not None else config.device
+                  engine_process=config.runs_engine_process, **config.engine_kwargs())
+    device = str(llm.model.device) if llm.model is not None else str(pick_device(config.device))
     state = ServerState(config, llm, resolve_hardware(config.hardware, device))
 
     @asynccontextmanager

@@ -38,6 +38,10 @@ class ServerConfig:
     health_stall_s: float = 30.0  # /health fails when work waits and no step ended this long
     utilization_window_s: float = 10.0  # the utilization gauges average steps this recent
     max_step_records: int = 4096
+    # The engine in its own process (engine/engine_core.py) instead of a thread of this one:
+    # the event loop then never holds the GIL the engine's steps need. None: yes, except for
+    # disaggregated (its engine already drives worker processes). See `runs_engine_process`.
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in serve_policies():
@@ -58,6 +62,9 @@ class ServerConfig:
         for name in ("shutdown_timeout_s", "health_stall_s", "utilization_window_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.engine_process and self.policy == "disaggregated":
+            raise UserError("--engine-process is for the mixed and chunked policies; the "
+                            "disaggregated policy already runs its engines in worker processes")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key must not be empty (omit it to serve without a key)")
 
@@ -65,6 +72,13 @@ class ServerConfig:
     def model_id(self) -> str:
         """The id `/v1/models` lists and requests name."""
         return self.served_model_name or self.model
+
+    @property
+    def runs_engine_process(self) -> bool:
+        """Whether the engine runs in its own process (README "Server overhead")."""
+        if self.engine_process is None:
+            return self.policy != "disaggregated"
+        return self.engine_process
 
     def engine_kwargs(self) -> dict[str, Any]:
         """EngineConfig fields for `LLM(...)`."""

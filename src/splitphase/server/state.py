@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from splitphase.engine.async_engine import AsyncEngine
+from splitphase.engine.engine_client import EngineCoreClient
 from splitphase.engine.llm import LLM
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.checkpoint import CheckpointError, read_config, resolve_model_dir
@@ -127,6 +128,8 @@ class ServerState:
         }
         if self.supervisor is not None:
             detail.update(self.supervisor.status())
+        if isinstance(self.llm.engine, EngineCoreClient):
+            detail["engine_core_pid"] = self.llm.engine.proc.pid
         problem = None
         if self.draining:
             problem = "draining"
@@ -143,6 +146,10 @@ class ServerState:
 
     async def stats(self) -> EngineStats:
         """Queue and KV snapshot (read directly, or asked of a disaggregated pair)."""
+        if isinstance(self.llm.engine, EngineCoreClient):  # as of the core's latest message
+            core = self.llm.engine.state
+            return EngineStats(core.num_running, core.num_waiting, core.num_used_blocks,
+                               core.num_blocks)
         sched = getattr(self.llm.engine, "scheduler", None)
         if sched is not None:  # ints and lengths: safe to read from this thread
             bm = sched.block_manager
