@@ -73,6 +73,21 @@ def test_falls_back_where_it_does_not_apply() -> None:
 
 
 @needs_mkl
+def test_stacked_weights_are_one_gemm_over_their_concatenation() -> None:
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, 64, generator=g) for n in (48, 16, 16)]
+    x = torch.randn(2, 40, 64, generator=g)
+    pack = packed_linear.PackedWeight()
+    with torch.no_grad():
+        got = packed_linear.stacked_linear(x, ws, pack)
+        assert got is not None and got.shape == (2, 40, 80)
+        torch.testing.assert_close(got, F.linear(x, torch.cat(ws)), rtol=1e-5, atol=1e-5)
+        ws[1].mul_(2)  # one member changed in place: the stack is rebuilt
+        again = packed_linear.stacked_linear(x, ws, pack)
+        torch.testing.assert_close(again, F.linear(x, torch.cat(ws)), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
 def test_copies_and_pickles_start_empty() -> None:
     lin = Linear(64, 48, bias=False)
     with torch.no_grad():
@@ -97,7 +112,9 @@ def test_model_prefill_and_generate_match_torch_linears() -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 70)).tolist()
     ids = torch.tensor(prompt)
     packed_logits, _ = model.prefill(ids)
-    assert model.layers[0].self_attn.q_proj.packed._packed is not None  # the path ran
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_packed._packed is not None  # the paths ran: Q/K/V stacked,
+    assert layer.mlp.gate_proj.packed._packed is not None  # gate and up one GEMM each
     packed_tokens = model.generate(prompt[0], 12)
     packed_linear.set_enabled(False)
     try:

@@ -18,6 +18,7 @@ model that only trains or decodes never pays it; `set_enabled(False)` or
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ def _has_mkl_packing() -> bool:
 
 
 class PackedWeight:
-    """One weight's packed copy, rebuilt when the weight changes.
+    """The packed copy of one weight, or of several stacked (Q/K/V: one GEMM for the three),
+    rebuilt when any of them changes.
 
     The key is the weight's storage address, version counter (bumped by every in-place write:
     `load_state_dict`, an optimizer step) and thread count (MKL packs for the threads it will
@@ -55,16 +57,24 @@ class PackedWeight:
     """
 
     def __init__(self) -> None:
-        self._key: tuple[int, int, int] | None = None
+        self._key: tuple[int, ...] | None = None
         self._packed: torch.Tensor | None = None
+        self._stacked: torch.Tensor | None = None  # what was packed: (sum N, K)
 
-    def get(self, w: torch.Tensor, rows: int) -> torch.Tensor:
-        """The packed copy of w (packing it now if w changed since the last call)."""
-        key = (w.data_ptr(), w._version, torch.get_num_threads())
-        if self._packed is None or key != self._key:
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+    def get(self, ws: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed copy, plain stack) of ws on dim 0, rebuilt if any changed since last call.
+
+        `_mkl_linear` takes the plain weight too (its fallback when the row count differs
+        from the packing's), so a stack of several is kept: never a stand-in that would be
+        silently wrong if that fallback ran.
+        """
+        key = (torch.get_num_threads(), *(v for w in ws for v in (w.data_ptr(), w._version)))
+        if self._packed is None or self._stacked is None or key != self._key:
+            self._packed = self._stacked = None  # drop the old copies before building new ones
+            self._stacked = ws[0] if len(ws) == 1 else torch.cat(list(ws))
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self._stacked, rows)
             self._key = key
-        return self._packed
+        return self._packed, self._stacked
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -89,8 +99,17 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor | None:
     """x @ w.T (..., N) on w's packed copy, or None where `usable` says no (caller uses torch)."""
-    if not usable(x, w):
+    return stacked_linear(x, [w], pack)
+
+
+def stacked_linear(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], pack: PackedWeight
+) -> torch.Tensor | None:
+    """x @ cat(ws).T (..., sum N): several linears sharing x as one GEMM on one packed copy;
+    None where `usable` says no for any of them."""
+    if not ws or not all(usable(x, w) for w in ws):
         return None
     rows = x.numel() // x.shape[-1]
+    packed, stacked = pack.get(ws, rows)
     # prepack_batch_size = rows: _mkl_linear takes the packed path only when they are equal.
-    return torch.ops.mkl._mkl_linear(x, pack.get(w, rows), w, None, rows)
+    return torch.ops.mkl._mkl_linear(x, packed, stacked, None, rows)

@@ -28,6 +28,10 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = packed_linear.PackedWeight()  # filled by the first prefill-shaped call
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        self.packed = packed_linear.PackedWeight()  # .to(), .float(): drop the old copy now
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return project(x, self)[0]
@@ -140,6 +144,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_dim, cfg.d_model, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+        self.qkv_packed = packed_linear.PackedWeight()  # Q/K/V stacked: one prefill GEMM
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Attention:
+        self.qkv_packed = packed_linear.PackedWeight()
+        return super()._apply(fn, recurse)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotated queries (B, T, H, D)."""
@@ -173,7 +182,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q (B, T, H, D) and k, v (B, T, G, D) from one fused pass over the weights."""
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        qkv = packed_linear.stacked_linear(x, weights, self.qkv_packed)  # (B, T, (H+2G)*D)
+        if qkv is not None:  # prefill: one GEMM; q, k, v are column slices rope reads in place
+            q, k, v = qkv.split([w.shape[0] for w in weights], dim=-1)
+        else:
+            q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         return (self.rotate_q(q, cos, sin), *self.rotate_kv(k, v, cos, sin))
 
     def attend(
