@@ -9,6 +9,11 @@ query-key pairs, the LM head at the last position) over the best linear rate at 
 shapes (torch's or the packed GEMM's), measured in the same run. Nothing is asserted.
 
     OMP_NUM_THREADS=2 python bench/prefill_ab.py --lengths 512 2048
+
+On a loaded machine wall times swing 2-3x between runs (a preempted thread stalls every
+parallel region); `OMP_NUM_THREADS=1 ... --clock process` times the CPU seconds the process
+used instead, which preemption does not inflate: an A/B of the work each variant does, not of
+its parallel scaling.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--clock", choices=["wall", "process"], default="wall")
     args = ap.parse_args()
-    print(f"threads {torch.get_num_threads()}, load before {os.getloadavg()}")
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    print(f"threads {torch.get_num_threads()}, {args.clock} clock, load before {os.getloadavg()}")
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=args.dtype)).eval()
     dtype = model.dtype
@@ -77,10 +84,10 @@ def main() -> None:
             for variant in best:
                 with VARIANTS[variant]():
                     cache.length = 0
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     model.prefill(ids, cache)
                     if r:
-                        best[variant] = min(best[variant], time.perf_counter() - t0)
+                        best[variant] = min(best[variant], clock() - t0)
             peak = max(peak, matmul_peak_flops_per_s(model.cfg, dtype, repeats=3)["best"])
         results[n] = best
     for n, best in results.items():  # fractions of the run's best peak
