@@ -133,3 +133,13 @@ def test_training_forward_keeps_torch_linear_and_gradients() -> None:
     model(ids).sum().backward()
     q = model.layers[0].self_attn.q_proj
     assert q.weight.grad is not None and q.packed._packed is None
+
+
+@needs_mkl
+def test_flop_counter_counts_the_packed_gemm_as_a_linear() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.randn(2, 40, 64), torch.randn(48, 64)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        assert packed_linear.linear(x, w, packed_linear.PackedWeight()) is not None
+    assert counter.get_total_flops() == 2 * 80 * 64 * 48

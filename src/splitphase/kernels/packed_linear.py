@@ -17,11 +17,13 @@ model that only trains or decodes never pays it; `set_enabled(False)` or
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from splitphase.kernels import build
 
@@ -44,6 +46,18 @@ def is_enabled() -> bool:
 
 def _has_mkl_packing() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _mkl_linear_flops(
+    x_shape: Sequence[int], packed_shape: Any, w_shape: Sequence[int], *args: Any, **kwargs: Any
+) -> int:
+    """2 * rows * in * out, as torch's FLOP counter counts `F.linear` (it knows no MKL op)."""
+    rows = math.prod(x_shape[:-1])
+    return 2 * rows * int(x_shape[-1]) * int(w_shape[0])
+
+
+if _has_mkl_packing():  # FlopCounterMode (the audit's check of the FLOP model) sees the GEMM
+    register_flop_formula(torch.ops.mkl._mkl_linear)(_mkl_linear_flops)
 
 
 class PackedWeight:
