@@ -1,13 +1,19 @@
-"""Prefill A/B in one process: the fused element-wise passes against the unfused torch ones.
+"""Prefill A/B in one process: the model as it runs against variants with one change undone.
 
-"fused" is the model as it runs (residual add + RMSNorm in one native pass, SiLU*mul in
-one); "unfused" swaps in the torch arithmetic those passes replaced (`x + r` then the norm;
-`F.silu(g) * u`), everything else equal. Runs alternate, each figure is the best run; the
-FLOP fraction uses `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
-query-key pairs, the LM head at the last position) over torch's best linear rate at the
-model's shapes, measured in the same run. Nothing is asserted.
+"model" is the model as it runs (fp32 linears on MKL-packed weights, residual add + RMSNorm
+in one native pass, SiLU*mul in one); "unpacked" runs torch's linear instead of the packed
+GEMM; "unfused" swaps in the torch arithmetic the element-wise passes replaced (`x + r` then
+the norm; `F.silu(g) * u`); everything else equal. Runs alternate, each figure is the best
+run; the FLOP fraction uses `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
+query-key pairs, the LM head at the last position) over the best linear rate at the model's
+shapes (torch's or the packed GEMM's), measured in the same run. Nothing is asserted.
 
     OMP_NUM_THREADS=2 python bench/prefill_ab.py --lengths 512 2048
+
+On a loaded machine wall times swing 2-3x between runs (a preempted thread stalls every
+parallel region); `OMP_NUM_THREADS=1 ... --clock process` times the CPU seconds the process
+used instead, which preemption does not inflate: an A/B of the work each variant does, not of
+its parallel scaling.
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ import argparse
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from splitphase.audit.flops import prefill_flops
-from splitphase.kernels import elementwise
+from splitphase.kernels import elementwise, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import matmul_peak_flops_per_s
@@ -40,14 +46,31 @@ def _unfused() -> Iterator[None]:
         elementwise.silu_mul, elementwise.add_rms_norm = real
 
 
+@contextlib.contextmanager
+def _unpacked() -> Iterator[None]:
+    """torch's linear (MKL repacking the weight every call) instead of the packed GEMM."""
+    packed_linear.set_enabled(False)
+    try:
+        yield
+    finally:
+        packed_linear.set_enabled(True)
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="base-125m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--clock", choices=["wall", "process"], default="wall")
     args = ap.parse_args()
-    print(f"threads {torch.get_num_threads()}, load before {os.getloadavg()}")
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    print(f"threads {torch.get_num_threads()}, {args.clock} clock, load before {os.getloadavg()}")
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=args.dtype)).eval()
     dtype = model.dtype
@@ -56,24 +79,29 @@ def main() -> None:
     for n in args.lengths:
         ids = torch.randint(0, model.cfg.vocab_size, (1, n))
         cache = model.new_cache(1, n)
-        best = {"fused": float("inf"), "unfused": float("inf")}
+        best = {v: float("inf") for v in args.variants}
         for r in range(args.rounds + 1):  # round 0 warms up and is not kept
             for variant in best:
-                ctx = _unfused() if variant == "unfused" else contextlib.nullcontext()
-                with ctx:
+                with VARIANTS[variant]():
                     cache.length = 0
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     model.prefill(ids, cache)
                     if r:
-                        best[variant] = min(best[variant], time.perf_counter() - t0)
+                        best[variant] = min(best[variant], clock() - t0)
             peak = max(peak, matmul_peak_flops_per_s(model.cfg, dtype, repeats=3)["best"])
         results[n] = best
     for n, best in results.items():  # fractions of the run's best peak
         flops = prefill_flops(model.cfg, n)
         print(f"prefill {n}: " + ", ".join(
             f"{v} {1e3 * s:.1f} ms ({100 * flops / s / peak:.0f}% of matmul peak)"
-            for v, s in best.items()) + f"; unfused/fused {best['unfused'] / best['fused']:.3f}x")
+            for v, s in best.items()) + _ratios(best))
     print(f"matmul peak {peak / 1e9:.0f} GFLOP/s (best of the run); load after {os.getloadavg()}")
+
+
+def _ratios(best: dict[str, float]) -> str:
+    """Each variant's time over the first one's (>1: the first is faster)."""
+    first, t0 = next(iter(best.items()))
+    return "".join(f"; {v}/{first} {s / t0:.3f}x" for v, s in list(best.items())[1:])
 
 
 if __name__ == "__main__":

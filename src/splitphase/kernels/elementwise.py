@@ -15,13 +15,20 @@ from splitphase.kernels import skinny
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _ok(*ts: torch.Tensor) -> bool:
+def _ok(*ts: torch.Tensor, strided: torch.Tensor | None = None) -> bool:
+    """The native pass applies: CPU, one supported dtype, no autograd, contiguous inputs (and
+    `strided`, if given, in the rows-of-heads layout rope reads in place)."""
     first = ts[0]
     if first.device.type != "cpu" or first.dtype not in _DTYPES:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+    every = ts if strided is None else (*ts, strided)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in every):
         return False
-    return all(t.dtype == first.dtype and t.is_contiguous() for t in ts) and skinny.is_enabled()
+    if strided is not None and not (strided.is_contiguous() or _rows_of_heads(strided)):
+        return False
+    return all(t.dtype == first.dtype and t.device == first.device for t in every) and all(
+        t.is_contiguous() for t in ts
+    ) and skinny.is_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -41,12 +48,21 @@ def add_rms_norm(
     return s, y
 
 
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    """x (B, T, H, D) whose rows hold H*D contiguous values a fixed stride apart: a slice of a
+    fused Q/K/V projection's output, which the native rope reads in place."""
+    b, t, h, d = x.shape
+    return x.stride(3) == 1 and x.stride(2) == d and x.stride(1) >= h * d and (
+        x.stride(0) == t * x.stride(1)
+    )
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """x (B, T, H, D) rotated by cos/sin (B or 1, T, 1, D), or None (use torch)."""
+    """x (B, T, H, D) rotated by cos/sin (B or 1, T, 1, D), contiguous, or None (use torch)."""
     if x.dim() != 4 or cos.dim() != 4 or cos.shape[2] != 1:
         return None
     c, s = cos.squeeze(2), sin.squeeze(2)  # (B or 1, T, D)
-    if c.shape[0] not in (1, x.shape[0]) or c.shape[1] != x.shape[1] or not _ok(x, c, s):
+    if c.shape[0] not in (1, x.shape[0]) or c.shape[1] != x.shape[1] or not _ok(c, s, strided=x):
         return None
     return torch.ops.splitphase.rope(x, c, s)
 

@@ -106,14 +106,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 namespace {
 
 template <typename T>
-void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t, int64_t h,
-               int64_t d, bool per_batch) {
+void rope_rows(const T* x, int64_t x_row_stride, const T* cs, const T* sn, T* y, int64_t b,
+               int64_t t, int64_t h, int64_t d, bool per_batch) {
   const int64_t half = d / 2;
   splitphase_pool::parallel_chunks(b * t, 4, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       int64_t table = (per_batch ? bt : bt % t) * d;  // cos/sin row of this position
       for (int64_t head = 0; head < h; ++head) {
-        const T* xr = x + (bt * h + head) * d;
+        const T* xr = x + bt * x_row_stride + head * d;
         T* yr = y + (bt * h + head) * d;
         for (int64_t i = 0; i < d; ++i) {
           float rot = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
@@ -130,22 +130,31 @@ void rope_rows(const T* x, const T* cs, const T* sn, T* y, int64_t b, int64_t t,
 
 namespace splitphase_ops {
 
+// Each (b, t) row of x holds its H*D values contiguously, rows a fixed stride apart (a slice of
+// a fused Q/K/V projection's output); the result is contiguous.
+static bool rows_of_heads(const at::Tensor& x) {
+  return x.dim() == 4 && x.stride(3) == 1 && x.stride(2) == x.size(3) &&
+         x.stride(1) >= x.size(2) * x.size(3) && x.stride(0) == x.size(1) * x.stride(1);
+}
+
 // x (B, T, H, D) rotated by cos/sin (B or 1, T, D): x * cos + rotate_half(x) * sin.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous(), "x (B, T, H, D) contiguous");
+  TORCH_CHECK(x.is_contiguous() || rows_of_heads(x), "x (B, T, H, D), rows of contiguous heads");
   TORCH_CHECK(cos.dim() == 3 && cos.is_contiguous() && sin.is_contiguous(), "cos/sin (B|1,T,D)");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == x.size(1) && cos.size(2) == x.size(3),
               "cos/sin match x");
   TORCH_CHECK(cos.size(0) == 1 || cos.size(0) == x.size(0), "cos batch is 1 or B");
   TORCH_CHECK(x.size(3) % 2 == 0, "even head dim");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtype");
-  auto y = at::empty_like(x);
+  auto y = at::empty(x.sizes(), x.options());  // contiguous whatever x's row stride
   bool per_batch = cos.size(0) == x.size(0) && x.size(0) > 1;
+  // a contiguous x may have any stride on a size-1 dim: its rows are H*D apart
+  const int64_t row_stride = x.is_contiguous() ? x.size(2) * x.size(3) : x.stride(1);
   if (x.scalar_type() == at::kFloat) {
-    rope_rows<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+    rope_rows<float>(x.data_ptr<float>(), row_stride, cos.data_ptr<float>(), sin.data_ptr<float>(),
                      y.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.size(3), per_batch);
   } else if (x.scalar_type() == at::kBFloat16) {
-    rope_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(),
+    rope_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), row_stride, cos.data_ptr<c10::BFloat16>(),
                              sin.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(),
                              x.size(0), x.size(1), x.size(2), x.size(3), per_batch);
   } else {

@@ -10,22 +10,45 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitphase.kernels import elementwise, skinny
+from splitphase.kernels import elementwise, packed_linear, skinny
 from splitphase.model.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose decode-shaped calls (a few rows, no bias) take the native kernel."""
+    """nn.Linear whose decode-shaped calls (a few rows, no bias) take the native kernel and
+    whose prefill-shaped fp32 calls take MKL's GEMM on a packed copy of the weight."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed = packed_linear.PackedWeight()  # filled by the first prefill-shaped call
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        self.packed = packed_linear.PackedWeight()  # .to(), .float(): drop the old copy now
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return skinny.linear(x, self.weight)
+            return project(x, self)[0]
         return super().forward(x)
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ weight.T on the packed weight, or None where that path does not apply."""
+        return None if self.bias is not None else packed_linear.linear(x, self.weight, self.packed)
+
+
+def project(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
+    """x through bias-free linears that share it: packed GEMMs in prefill, one native pass
+    over all the weights in decode (Q/K/V; gate/up), torch otherwise."""
+    out = [lin.packed_forward(x) for lin in linears]
+    if all(y is not None for y in out):
+        return tuple(cast(list[torch.Tensor], out))
+    return skinny.linears(x, *(lin.weight for lin in linears))
 
 
 class RMSNorm(nn.Module):
@@ -121,6 +144,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_dim, cfg.d_model, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype) if cfg.qk_norm else None
+        self.qkv_packed = packed_linear.PackedWeight()  # Q/K/V stacked: one prefill GEMM
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Attention:
+        self.qkv_packed = packed_linear.PackedWeight()
+        return super()._apply(fn, recurse)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotated queries (B, T, H, D)."""
@@ -137,7 +165,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values (B, T, G, D)."""
-        k, v = skinny.linears(x, self.k_proj.weight, self.v_proj.weight)  # (B, T, G*D) each
+        k, v = project(x, self.k_proj, self.v_proj)  # (B, T, G*D) each
         return self.rotate_kv(k, v, cos, sin)
 
     def rotate_kv(
@@ -154,7 +182,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q (B, T, H, D) and k, v (B, T, G, D) from one fused pass over the weights."""
-        q, k, v = skinny.linears(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        qkv = packed_linear.stacked_linear(x, weights, self.qkv_packed)  # (B, T, (H+2G)*D)
+        if qkv is not None:  # prefill: one GEMM; q, k, v are column slices rope reads in place
+            q, k, v = qkv.split([w.shape[0] for w in weights], dim=-1)
+        else:
+            q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         return (self.rotate_q(q, cos, sin), *self.rotate_kv(k, v, cos, sin))
 
     def attend(
@@ -203,7 +236,8 @@ class SwiGLU(nn.Module):
 
     def intermediate(self, x: torch.Tensor) -> torch.Tensor:
         """The gated hidden state u = silu(gate(x)) * up(x): (..., d_ff), fused in decode."""
-        return skinny.swiglu(x, self.gate_proj.weight, self.up_proj.weight)
+        g, u = project(x, self.gate_proj, self.up_proj)  # (..., d_ff) each
+        return elementwise.silu_mul(g, u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.intermediate(x))

@@ -1,0 +1,145 @@
+"""Prefill linears on MKL-packed weights against torch's linear, and the model with them."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitphase.kernels import packed_linear
+from splitphase.model.config import ModelConfig
+from splitphase.model.layers import Linear
+from splitphase.model.transformer import Transformer
+
+needs_mkl = pytest.mark.skipif(
+    not packed_linear.is_enabled(), reason="this torch has no MKL packed GEMM"
+)
+
+
+@pytest.fixture
+def packing_off():
+    packed_linear.set_enabled(False)
+    yield
+    packed_linear.set_enabled(True)
+
+
+@needs_mkl
+@pytest.mark.parametrize("in_features", [64, 768, 3072])
+def test_one_packed_copy_serves_every_row_count(in_features: int) -> None:
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(96, in_features, generator=g) * 0.05
+    pack = packed_linear.PackedWeight()
+    with torch.inference_mode():
+        for rows in (512, 32, 33, 300, 2048, 77):  # packed at 512, reused for the rest
+            x = torch.randn(1, rows, in_features, generator=g)
+            got = packed_linear.linear(x, w, pack)
+            assert got is not None and got.shape == (1, rows, 96)
+            torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_repacks_when_the_weight_changes() -> None:
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(64, 48, bias=False)
+    x = torch.randn(40, 64, generator=g)
+    with torch.no_grad():
+        first = lin.packed_forward(x)
+        lin.weight.copy_(torch.randn(48, 64, generator=g))  # in place: load_state_dict, optimizer
+        in_place = lin.packed_forward(x)
+        lin.weight.data = torch.randn(48, 64, generator=g)  # replaced: .to(), .data =
+        replaced = lin.packed_forward(x)
+        for got in (in_place, replaced):
+            assert got is not None
+        torch.testing.assert_close(replaced, F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    assert first is not None and not torch.allclose(first, in_place)  # type: ignore[arg-type]
+
+
+@needs_mkl
+def test_falls_back_where_it_does_not_apply() -> None:
+    w = torch.randn(48, 64)
+    pack = packed_linear.PackedWeight()
+    assert packed_linear.linear(torch.randn(packed_linear.MIN_ROWS - 1, 64), w, pack) is None
+    assert packed_linear.linear(torch.randn(64, 64).bfloat16(), w.bfloat16(), pack) is None
+    trained = torch.randn(48, 64, requires_grad=True)  # autograd needs torch's linear
+    assert packed_linear.linear(torch.randn(64, 64), trained, pack) is None
+    packed_linear.set_enabled(False)
+    try:
+        assert packed_linear.linear(torch.randn(64, 64), w, pack) is None
+    finally:
+        packed_linear.set_enabled(True)
+
+
+@needs_mkl
+def test_stacked_weights_are_one_gemm_over_their_concatenation() -> None:
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, 64, generator=g) for n in (48, 16, 16)]
+    x = torch.randn(2, 40, 64, generator=g)
+    pack = packed_linear.PackedWeight()
+    with torch.no_grad():
+        got = packed_linear.stacked_linear(x, ws, pack)
+        assert got is not None and got.shape == (2, 40, 80)
+        torch.testing.assert_close(got, F.linear(x, torch.cat(ws)), rtol=1e-5, atol=1e-5)
+        ws[1].mul_(2)  # one member changed in place: the stack is rebuilt
+        again = packed_linear.stacked_linear(x, ws, pack)
+        torch.testing.assert_close(again, F.linear(x, torch.cat(ws)), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_copies_and_pickles_start_empty() -> None:
+    lin = Linear(64, 48, bias=False)
+    with torch.no_grad():
+        assert lin.packed_forward(torch.randn(64, 64)) is not None
+    assert lin.packed._packed is not None
+    for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert clone.packed._packed is None
+        with torch.no_grad():
+            got = clone.packed_forward(torch.ones(64, 64))
+        torch.testing.assert_close(got, F.linear(torch.ones(64, 64), lin.weight))
+
+
+def _tiny() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny").with_(dtype="float32")
+    return Transformer(cfg).eval()
+
+
+@needs_mkl
+def test_model_prefill_and_generate_match_torch_linears() -> None:
+    model = _tiny()
+    prompt = torch.randint(0, model.cfg.vocab_size, (2, 70)).tolist()
+    ids = torch.tensor(prompt)
+    packed_logits, _ = model.prefill(ids)
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_packed._packed is not None  # the paths ran: Q/K/V stacked,
+    assert layer.mlp.gate_proj.packed._packed is not None  # gate and up one GEMM each
+    packed_tokens = model.generate(prompt[0], 12)
+    packed_linear.set_enabled(False)
+    try:
+        torch_logits, _ = model.prefill(ids)
+        torch_tokens = model.generate(prompt[0], 12)
+    finally:
+        packed_linear.set_enabled(True)
+    torch.testing.assert_close(packed_logits, torch_logits, rtol=1e-4, atol=1e-5)
+    assert packed_tokens == torch_tokens
+
+
+@needs_mkl
+def test_training_forward_keeps_torch_linear_and_gradients() -> None:
+    model = _tiny().train()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 40))
+    model(ids).sum().backward()
+    q = model.layers[0].self_attn.q_proj
+    assert q.weight.grad is not None and q.packed._packed is None
+
+
+@needs_mkl
+def test_flop_counter_counts_the_packed_gemm_as_a_linear() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.randn(2, 40, 64), torch.randn(48, 64)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        assert packed_linear.linear(x, w, packed_linear.PackedWeight()) is not None
+    assert counter.get_total_flops() == 2 * 80 * 64 * 48
