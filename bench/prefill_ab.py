@@ -1,10 +1,11 @@
-"""Prefill A/B in one process: the model as it runs against variants with one change undone.
+"""Prefill A/B in one process: the model as it runs against variants that change one thing.
 
-"model" is the model as it runs (fp32 linears on MKL-packed weights, residual add + RMSNorm
-in one native pass, SiLU*mul in one); "unpacked" runs torch's linear instead of the packed
-GEMM; "unfused" swaps in the torch arithmetic the element-wise passes replaced (`x + r` then
-the norm; `F.silu(g) * u`); everything else equal. Runs alternate, each figure is the best
-run; the FLOP fraction uses `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
+"model" is the model as it runs (residual add + RMSNorm in one native pass, SiLU*mul in one,
+torch's linears); "packed" switches on the opt-in fp32 linears on MKL-packed weights
+(`SPLITPHASE_PACKED_PREFILL=1`); "unfused" swaps in the torch arithmetic the element-wise
+passes replaced (`x + r` then the norm; `F.silu(g) * u`); everything else equal. Runs
+alternate, each figure is the best run; the FLOP fraction uses
+`splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
 query-key pairs, the LM head at the last position) over the best linear rate at the model's
 shapes (torch's or the packed GEMM's), measured in the same run. Nothing is asserted.
 
@@ -46,18 +47,13 @@ def _unfused() -> Iterator[None]:
         elementwise.silu_mul, elementwise.add_rms_norm = real
 
 
-@contextlib.contextmanager
-def _unpacked() -> Iterator[None]:
-    """torch's linear (MKL repacking the weight every call) instead of the packed GEMM."""
-    packed_linear.set_enabled(False)
-    try:
-        yield
-    finally:
-        packed_linear.set_enabled(True)
+def _packed() -> contextlib.AbstractContextManager[None]:
+    """The packed GEMM instead of torch's linear (which has MKL repack the weight every call)."""
+    return packed_linear.switched(True)
 
 
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused}
+    "model": contextlib.nullcontext, "packed": _packed, "unfused": _unfused}
 
 
 def main() -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,15 +18,28 @@ from splitphase.model.layers import Linear
 from splitphase.model.transformer import Transformer
 
 needs_mkl = pytest.mark.skipif(
-    not packed_linear.is_enabled(), reason="this torch has no MKL packed GEMM"
+    not packed_linear.available(), reason="this torch has no MKL packed GEMM"
 )
 
 
+@pytest.fixture(autouse=True)
+def packing_on():
+    """Packing is opt-in; these tests switch it on and leave the process as they found it."""
+    with packed_linear.switched(True):
+        yield
+
+
 @pytest.fixture
-def packing_off():
-    packed_linear.set_enabled(False)
-    yield
-    packed_linear.set_enabled(True)
+def packing_off(packing_on):
+    with packed_linear.switched(False):
+        yield
+
+
+def test_off_by_default():
+    code = "from splitphase.kernels import packed_linear as p; print(p._SWITCH.on)"
+    env = {k: v for k, v in os.environ.items() if k != "SPLITPHASE_PACKED_PREFILL"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 @needs_mkl

@@ -39,9 +39,9 @@ def matmul_peak_flops_per_s(
 ) -> dict[str, float]:
     """Best linear FLOP/s over the model's weight shapes at `rows` tokens, in `dtype`.
 
-    Each shape takes the faster of torch's linear and, where the model's prefill uses it, the
-    GEMM on a packed weight: the peak is the best GEMM this machine offers, not the one the
-    model happens to avoid.
+    Each shape takes the faster of torch's linear and, where MKL has it, the GEMM on a packed
+    weight (switched on here even where the model's prefill leaves it off): the peak is the
+    best GEMM this machine offers, not the one the model happens to use.
     """
     g = torch.Generator().manual_seed(0)
     best, by_shape = 0.0, {}
@@ -49,9 +49,11 @@ def matmul_peak_flops_per_s(
         x = torch.randn(rows, in_f, generator=g).to(device, dtype)
         w = torch.randn(out_f, in_f, generator=g).to(device, dtype)
         seconds = best_s(partial(F.linear, x, w), repeats)
-        if packed_linear.usable(x, w):
-            pack = packed_linear.PackedWeight()
-            seconds = min(seconds, best_s(partial(packed_linear.linear, x, w, pack), repeats))
+        with packed_linear.switched(True):
+            if packed_linear.usable(x, w):
+                pack = packed_linear.PackedWeight()
+                packed_s = best_s(partial(packed_linear.linear, x, w, pack), repeats)
+                seconds = min(seconds, packed_s)
         rate = 2 * rows * in_f * out_f / seconds
         by_shape[f"{out_f}x{in_f}"] = rate
         best = max(best, rate)
