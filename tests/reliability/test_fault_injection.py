@@ -100,6 +100,7 @@ def test_200_client_timeouts_then_a_fresh_request_is_prompt(
     url, llm, _ = serve_inproc()
     Forward(llm, sleep_s=0.02)  # 40 tokens take >= 0.8 s: none finishes within 0.5 s
     model = llm_model(url)
+    before, _ = wait_at_rest(url, 10)
 
     async def flood() -> list[BaseException | None]:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
@@ -131,8 +132,16 @@ def test_200_client_timeouts_then_a_fresh_request_is_prompt(
     assert metrics["num_requests_running"] == 0 and metrics["num_requests_waiting"] == 0
     assert metrics["kv_cache_blocks_used"] == 0
     assert httpx.get(url + "/health", timeout=5).json()["in_flight"] == 0
-    aborted = int(metrics.get("request_success_total|abort", 0))
-    assert aborted >= 100  # most reached the engine before their client gave up
+
+    def count(m: dict[str, float], reason: str) -> int:
+        return int(m.get(f"request_success_total|{reason}", 0))
+
+    aborted = count(metrics, "abort") - count(before, "abort")
+    # How many of the 200 reach the engine before their client gives up depends on how fast
+    # the event loop admits them (most of them alone, 22 in one full-suite run); none may run
+    # to its length.
+    assert count(metrics, "length") - count(before, "length") == 1  # the fresh request only
+    assert aborted >= 1
     ledger.record("fault injection", "200 requests time out client-side after 0.5 s",
                   f"200 client timeouts (SDK, max_retries=0), {aborted} of them aborted on "
                   f"the server; a fresh request then completed "
