@@ -245,7 +245,7 @@ def run_policy(policy: str, streams: dict[str, list[SimRequest]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=40, help="requests per workload")
+    ap.add_argument("--requests", type=int, default=80, help="requests per workload")
     ap.add_argument("--quick", action="store_true", help="CI: 2 workloads x mixed, chunked")
     ap.add_argument("--out", default="bench/results/sim_validate.json")
     args = ap.parse_args(argv)
