@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from multiprocessing import Pipe
 
 import pytest
 import torch
@@ -16,14 +18,16 @@ import torch
 from splitphase.engine.async_engine import AsyncEngine
 from splitphase.engine.config import EngineConfig
 from splitphase.engine.disagg import DisaggConfig, DisaggregatedEngine, WorkerDiedError
-from splitphase.engine.disagg_control import free_port
+from splitphase.engine.disagg_control import ControlServer, free_port
 from splitphase.engine.disagg_frontend import FrontendState
+from splitphase.engine.disagg_loops import _connect
 from splitphase.engine.disagg_protocol import (
     ClockStamp,
     OutputRecord,
     WorkerUpdate,
     request_from_meta,
     request_meta,
+    without_nagle,
 )
 from splitphase.engine.disagg_worker import WorkerOptions, add_worker_arguments, options_from_args
 from splitphase.engine.llm import LLM
@@ -325,3 +329,27 @@ def test_worker_options_round_trip_through_the_command_line():
         WorkerOptions("both", "small", "h:1", "tcp://h:2")
     with pytest.raises(UserError, match="unknown engine options"):
         DisaggConfig(model="small", engine={"policy": "mixed"})
+
+
+def _nodelay(conn) -> int:
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_control_connections_send_small_updates_without_nagle_delay():
+    # A worker's per-step update otherwise waits for the delayed ACK of the one before.
+    key = os.urandom(16)
+    server = ControlServer("127.0.0.1", 0, key)
+    try:
+        worker_end = _connect(f"127.0.0.1:{server.address[1]}", key, 5.0)
+        front_end = server.next_connection(5.0)
+        assert front_end is not None
+        assert _nodelay(worker_end) and _nodelay(front_end)
+        worker_end.close()
+        front_end.close()
+    finally:
+        server.close()
+    a, b = Pipe()  # a Unix socket pair: nothing to set, nothing to fail
+    assert without_nagle(a) is a
+    a.close()
+    b.close()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from splitphase.engine.disagg_protocol import AUTHKEY_ENV, ROLES, Hello
+from splitphase.engine.disagg_protocol import AUTHKEY_ENV, ROLES, Hello, without_nagle
 from splitphase.engine.disagg_worker import WorkerOptions
 from splitphase.errors import UserError
 from splitphase.model.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ class ControlServer:
             if self._closed:
                 conn.close()
                 return
-            self._queue.put(conn)
+            self._queue.put(without_nagle(conn))
 
     def next_connection(self, timeout_s: float) -> Connection | None:
         """The next authenticated worker connection, or None after timeout_s."""

@@ -31,6 +31,7 @@ from splitphase.engine.disagg_protocol import (
     OutputRecord,
     WorkerUpdate,
     parse_host_port,
+    without_nagle,
 )
 from splitphase.engine.disagg_worker import WorkerOptions
 from splitphase.engine.kv_transfer import (
@@ -302,7 +303,7 @@ def _connect(address: str, key: bytes, timeout_s: float) -> Connection:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return Client(parse_host_port(address, "--control"), authkey=key)
+            return without_nagle(Client(parse_host_port(address, "--control"), authkey=key))
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise UserError(

@@ -14,9 +14,12 @@ time from the one gap that spans it (there is no shared clock to measure it with
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from splitphase.engine.request import Request, RequestStatus
@@ -163,3 +166,17 @@ def parse_host_port(address: str, what: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise UserError(f"{what} must be HOST:PORT (e.g. 10.0.0.1:7100), got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def without_nagle(conn: Connection) -> Connection:
+    """Set TCP_NODELAY on a control connection (both ends call this on theirs).
+
+    A worker sends one small update per step and the front end never answers it, so with
+    Nagle's algorithm each update waits for the ACK of the one before, which the receiver
+    delays up to ~40 ms: decode tokens reached the front end in bursts, 6-40 ms late. A Unix
+    socket (no TCP) is left as it is.
+    """
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
