@@ -29,7 +29,7 @@ from splitphase.model.transformer import Transformer
 from splitphase.perf.batching import engine_output_tok_per_s
 from splitphase.perf.hf_baseline import hf_llama, time_hf
 from splitphase.perf.llamacpp_baseline import llama_cpp_module, time_llamacpp
-from splitphase.perf.peaks import measure_peaks
+from splitphase.perf.peaks import measure_peaks, prefill_gemm_ceiling
 from splitphase.perf.timing import time_decode, time_prefill, time_step_overhead
 
 
@@ -90,12 +90,14 @@ def _ours_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any]:
     )
     for n in args.prefill:
         seconds, flops = time_prefill(model, n, 2 if n > 1024 else 3)
-        out[f"prefill_{n}"] = {"s": seconds, "flops": flops}
+        out[f"prefill_{n}"] = {"s": seconds, "flops": flops, "tokens": n}
     return out
 
 
-def _derive(raw: dict[str, Any], peaks: dict[str, float], dtype: str) -> dict[str, Any]:
-    """Adds tok/s, implied bandwidth and FLOP/s, and their fractions of the measured peaks."""
+def _derive(raw: dict[str, Any], peaks: dict[str, float], dtype: str, cfg: ModelConfig
+            ) -> dict[str, Any]:
+    """Adds tok/s, implied bandwidth and FLOP/s, and their fractions of the measured peaks;
+    a prefill also gets the ceiling its own GEMM shapes allow (`prefill_gemm_ceiling`)."""
     triad = peaks["triad_bytes_per_s"]
     flops_peak = peaks[f"matmul_model_shapes_flops_per_s_{dtype}"]
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
@@ -107,6 +109,8 @@ def _derive(raw: dict[str, Any], peaks: dict[str, float], dtype: str) -> dict[st
         elif key.startswith("prefill_"):
             v["flops_per_s"] = v["flops"] / v["s"]
             v["flops_fraction"] = v["flops_per_s"] / flops_peak
+            if not cfg.is_moe:
+                v["gemm_ceiling_fraction"] = prefill_gemm_ceiling(cfg, peaks, dtype, v["tokens"])
     out["decode_overhead_fraction_b1"] = out["decode_overhead_s_b1"] / out["decode_b1"]["step_s"]
     return out
 
@@ -205,6 +209,7 @@ def _summary(results: dict, primary: str) -> dict[str, Any]:
         "decode_bw_fraction_b1": r["ours"]["decode_b1"]["bw_fraction"],
         "decode_bw_fraction_b8": r["ours"]["decode_b8"]["bw_fraction"],
         "prefill_flops_fraction_512": r["ours"][f"prefill_{n}"]["flops_fraction"],
+        "prefill_gemm_ceiling_fraction_512": r["ours"][f"prefill_{n}"].get("gemm_ceiling_fraction"),
         **{k: v for k, v in r["ratios"].items()},
         "continuous_batching_speedup": results["batching"]["continuous_batching_speedup"],
     }
@@ -239,6 +244,11 @@ def _print_table(results: dict) -> None:
             _fmt(q["speedup_vs_llamacpp_decode_b1"]),
             _fmt(q["native_kernel_speedup_decode_b1"]),
         ]))
+        pf = o[f"prefill_{n}"]
+        if "gemm_ceiling_fraction" in pf:
+            ceiling = 100 * pf["gemm_ceiling_fraction"]
+            print(f"  prefill {n}: {100 * pf['flops_fraction']:.0f}% of the matmul peak; its own"
+                  f" GEMM shapes, each alone, allow at most {ceiling:.0f}%")
         for key in ("transformers", "llamacpp"):
             if isinstance(r["baselines"].get(key), str):
                 print(f"  {key}: {r['baselines'][key]}")
@@ -273,8 +283,9 @@ def main() -> None:
     speedup = b["engine_tok_per_s_concurrent"] / b["engine_tok_per_s_1"]
     results["batching"] = {**b, "continuous_batching_speedup": speedup}
     results["dtypes"] = {}
+    cfg = ModelConfig.from_name(args.preset)
     for name in args.dtypes:
-        ours = _derive(merged[name]["ours"], results["peaks"], name)
+        ours = _derive(merged[name]["ours"], results["peaks"], name, cfg)
         base = merged[name]["baselines"]
         results["dtypes"][name] = {
             "ours": ours, "baselines": base, "ratios": _ratios(ours, base, args.prefill[0])

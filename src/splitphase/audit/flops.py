@@ -110,6 +110,15 @@ def mlp_params(cfg: ModelConfig, routed: float) -> float:
     return per_expert * (routed + cfg.n_shared_experts) + cfg.d_model * cfg.n_experts
 
 
+def dense_linear_shapes(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """(out, in, count) of a dense decoder layer's linears: q, k+v, o, gate+up, down."""
+    if cfg.is_moe:
+        raise CostError("dense_linear_shapes is for dense models; an MoE layer routes per token")
+    d = cfg.d_model
+    return [(cfg.q_dim, d, 1), (cfg.kv_dim, d, 2), (d, cfg.q_dim, 1), (cfg.d_ff, d, 2),
+            (d, cfg.d_ff, 1)]
+
+
 def norm_params_per_layer(cfg: ModelConfig) -> int:
     """RMSNorm weights per layer: two of d_model, plus the q/k norms' head_dim each if used."""
     return 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0)

@@ -7,6 +7,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from splitphase.audit.flops import dense_linear_shapes, prefill_flops
 from splitphase.hardware.calibrate import (
     measure_gemm_flops_per_s,
     measure_triad_bandwidth_bytes_per_s,
@@ -60,6 +61,25 @@ def matmul_peak_flops_per_s(
     return {"best": best, **by_shape}
 
 
+def prefill_gemm_ceiling(
+    cfg: ModelConfig, peaks: dict[str, float], dtype: str, prompt_len: int
+) -> float:
+    """The fraction of the matmul peak a prefill could reach at best with these GEMMs.
+
+    Each layer linear runs at the rate measured for its shape alone (operands hot in cache,
+    at the peaks' row count), everything else (attention, LM head) at the peak itself, and
+    norms, RoPE and the rest take no time: no prefill built on these GEMMs can beat it.
+    """
+    total = prefill_flops(cfg, prompt_len)
+    linear_flops = linear_s = 0.0
+    for out_f, in_f, count in dense_linear_shapes(cfg):
+        flops = 2.0 * prompt_len * out_f * in_f * count * cfg.n_layers
+        linear_flops += flops
+        linear_s += flops / peaks[f"gemm_{dtype}_{out_f}x{in_f}_flops_per_s"]
+    peak = peaks[f"matmul_model_shapes_flops_per_s_{dtype}"]
+    return total / (linear_s + (total - linear_flops) / peak) / peak
+
+
 def datasheet_peaks(device: torch.device) -> dict[str, float]:
     """The hardware table's bandwidth and bf16 peak for a recognised GPU (H100/H200/A100)."""
     if device.type != "cuda":
@@ -97,7 +117,8 @@ def measure_peaks(
     for name in dtypes:
         dtype = getattr(torch, name)
         shapes = matmul_peak_flops_per_s(cfg, dtype, rows, repeats, device)
-        out[f"matmul_model_shapes_flops_per_s_{name}"] = shapes["best"]
+        out[f"matmul_model_shapes_flops_per_s_{name}"] = shapes.pop("best")
+        out.update({f"gemm_{name}_{shape}_flops_per_s": r for shape, r in shapes.items()})
         if device.type == "cpu":
             out[f"matmul_square_flops_per_s_{name}"] = measure_gemm_flops_per_s(
                 name, max_n=512 if quick else 2048, repeats=repeats
