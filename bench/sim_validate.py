@@ -10,6 +10,7 @@ front-end hop and (disaggregated) the hand-off latency, both measured with idle 
 requests before the run.
 
     OMP_NUM_THREADS=1 python bench/sim_validate.py [--quick] [--out FILE] [--requests N]
+        [--policies mixed chunked disaggregated]
 """
 
 from __future__ import annotations
@@ -247,11 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=80, help="requests per workload")
     ap.add_argument("--quick", action="store_true", help="CI: 2 workloads x mixed, chunked")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                    help="policies to run (all by default)")
     ap.add_argument("--out", default="bench/results/sim_validate.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     workloads = dict(list(WORKLOADS.items())[:2]) if args.quick else WORKLOADS
-    policies = POLICIES[:2] if args.quick else POLICIES
+    policies = POLICIES[:2] if args.quick else tuple(args.policies)
     n = 12 if args.quick else args.requests
     cfg = ModelConfig.from_name("small")
     streams = {k: parse_workload(v).generate(n, seed=3, max_len=cfg.max_seq_len)
