@@ -22,7 +22,7 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = [HERE / n for n in (
     "skinny_linear.cpp", "decode_attention.cpp", "norm_rope.cpp", "silu_mul.cpp",
-    "decode_stack.cpp",
+    "decode_stack.cpp", "prefill_attention.cpp",
 )]
 HEADERS = [HERE / "simd.h", HERE / "pool.h", HERE / "ops.h"]
 _NAME = "splitphase_kernels"

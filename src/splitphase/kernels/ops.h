@@ -15,6 +15,13 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& slots, const at::Tensor& lengths);
 
+// Causal q (B, T, H, D) over k/v (B, S, G, D), queries the last T positions -> (B, T, H*D).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Rows q_rows of q (N, H, D), causal over pools (P, G, D) at slots (S,), into out (N, H*D).
+void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& q_rows, const at::Tensor& slots, at::Tensor& out);
+
 // w * (x * rsqrt(mean(x^2) + eps)) over the last dim.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
