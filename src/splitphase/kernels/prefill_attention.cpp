@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "pool.h"
@@ -88,33 +89,59 @@ inline void pv_block(const float* p, const float* const* v, int64_t n, int64_t c
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * ld + col + 16 * c, acc[r][c]);
 }
 
-// Scales row s[0:n] (n <= 64) by `scale`, folds it into the running max m and sum l, and
-// leaves exp(s - m_new) in s[0:64] (zeros past n). Returns the factor the row's output so far
-// is rescaled by.
-inline float softmax_step(float* s, int64_t n, float scale, float& m, float& l) {
-  const __m512 sc = _mm512_set1_ps(scale);
+// 2^x, Cephes' exp2f: x = n + r with |r| <= 1/2, a degree-6 polynomial for 2^r, scaled by
+// 2^n (scalef gives 0 for a very negative n; no clamp needed). Lanes outside `keep` are 0.
+inline __m512 exp2_16(__mmask16 keep, __m512 x) {
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+inline __mmask16 key_mask(int64_t valid, int c) {
+  int64_t left = valid - 16 * c;
+  if (left >= 16) return static_cast<__mmask16>(0xffff);
+  return left > 0 ? splitphase_simd::tail_mask(left) : static_cast<__mmask16>(0);
+}
+
+// Folds one tile of raw scores s (rows x 64; row r's first valid[r] are real) into the
+// running softmax, in log2 units (c = scale * log2 e): m (the running max) moves up, alpha
+// gets 2^(m_old - m_new) (what the output so far is rescaled by), s becomes 2^(c s - m_new)
+// (0 past valid[r]) and each row's 16-lane partial sums l are rescaled and added to. The
+// arrays hold rows rounded up to 16; the rows past `rows` stay finite and unused.
+inline void softmax_tile(float* s, int64_t rows, int64_t rows16, const int64_t* valid, float c,
+                         float* m, float* alpha, float* l) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 x[4];
-  __mmask16 mk[4];
-  __m512 mx = ninf;
-  for (int c = 0; c < 4; ++c) {
-    int64_t left = n - 16 * c;
-    mk[c] = left >= 16 ? static_cast<__mmask16>(0xffff)
-                       : (left > 0 ? splitphase_simd::tail_mask(left) : static_cast<__mmask16>(0));
-    x[c] = _mm512_mask_mul_ps(ninf, mk[c], _mm512_loadu_ps(s + 16 * c), sc);
-    mx = _mm512_max_ps(mx, x[c]);
+  for (int64_t r = 0; r < rows16; ++r) {
+    alpha[r] = m[r];
+    if (r >= rows) continue;
+    __m512 mx = ninf;
+    for (int k = 0; k < 4; ++k)
+      mx = _mm512_mask_max_ps(mx, key_mask(valid[r], k), mx, _mm512_loadu_ps(s + r * kKTile + 16 * k));
+    m[r] = std::max(m[r], _mm512_reduce_max_ps(mx) * c);  // the scale is > 0: max commutes
   }
-  float m_new = std::max(m, _mm512_reduce_max_ps(mx));
-  float alpha = std::exp(m - m_new);  // m = -inf on the first tile: 0 (the output is 0 too)
-  __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
-  for (int c = 0; c < 4; ++c) {
-    __m512 e = _mm512_maskz_mov_ps(mk[c], splitphase_simd::exp16(_mm512_sub_ps(x[c], mv)));
-    _mm512_storeu_ps(s + 16 * c, e);
-    sum = _mm512_add_ps(sum, e);
+  for (int64_t r = 0; r < rows16; r += 16) {
+    __m512 d = _mm512_sub_ps(_mm512_loadu_ps(alpha + r), _mm512_loadu_ps(m + r));
+    _mm512_storeu_ps(alpha + r, exp2_16(0xffff, d));
   }
-  l = l * alpha + _mm512_reduce_add_ps(sum);
-  m = m_new;
-  return alpha;
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 mv = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      float* p = s + r * kKTile + 16 * k;
+      __m512 e = exp2_16(key_mask(valid[r], k), _mm512_fmsub_ps(_mm512_loadu_ps(p), cv, mv));
+      _mm512_storeu_ps(p, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    __m512 lr = _mm512_loadu_ps(l + 16 * r);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(lr, _mm512_set1_ps(alpha[r]), sum));
+  }
 }
 #else
 template <int R>
@@ -137,17 +164,22 @@ inline void pv_block(const float* p, const float* const* v, int64_t n, int64_t c
   }
 }
 
-inline float softmax_step(float* s, int64_t n, float scale, float& m, float& l) {
-  float m_new = m;
-  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, s[j] * scale);
-  float alpha = std::exp(m - m_new), sum = 0.f;
-  for (int64_t j = 0; j < kKTile; ++j) {
-    s[j] = j < n ? std::exp(s[j] * scale - m_new) : 0.f;
-    sum += s[j];
+inline void softmax_tile(float* s, int64_t rows, int64_t rows16, const int64_t* valid, float c,
+                         float* m, float* alpha, float* l) {
+  for (int64_t r = 0; r < rows16; ++r) {
+    alpha[r] = m[r];
+    if (r >= rows) continue;
+    for (int64_t j = 0; j < valid[r]; ++j) m[r] = std::max(m[r], s[r * kKTile + j] * c);
   }
-  l = l * alpha + sum;
-  m = m_new;
-  return alpha;
+  for (int64_t r = 0; r < rows16; ++r) alpha[r] = std::exp2(alpha[r] - m[r]);
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f, *p = s + r * kKTile;
+    for (int64_t j = 0; j < kKTile; ++j) {
+      p[j] = j < valid[r] ? std::exp2(p[j] * c - m[r]) : 0.f;
+      sum += p[j];
+    }
+    l[16 * r] = l[16 * r] * alpha[r] + sum;  // lane 0 of the row's partial sums
+  }
 }
 #endif
 
@@ -234,16 +266,20 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKeys& pk) 
   const int64_t t_len = static_cast<int64_t>(s.q.size()), s_len = static_cast<int64_t>(s.k.size());
   const int64_t offset = s_len - t_len, d = sh.dim, hg = sh.per_group();
   const int64_t t0 = it.qt * kQTile, tq = std::min(kQTile, t_len - t0), rows = hg * tq;
-  const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  thread_local std::vector<float> sbuf, obuf, ml;
+  // Softmax in log2 units: 2^(c s) = e^(s / sqrt(D)).
+  const float c = 1.4426950408889634f / std::sqrt(static_cast<float>(d));
+  const int64_t rows16 = n_tiles(rows, 16) * 16;
+  thread_local std::vector<float> sbuf, obuf, stats;
   thread_local std::vector<const float*> qrow, vrow;
+  thread_local std::vector<int64_t> valid;
   sbuf.resize(static_cast<size_t>(rows * kKTile));
   obuf.assign(static_cast<size_t>(rows * d), 0.f);
-  ml.assign(static_cast<size_t>(3 * rows), 0.f);  // running max, running sum, rescale factor
-  float *m = ml.data(), *l = m + rows, *alpha = l + rows;
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  stats.assign(static_cast<size_t>(18 * rows16), 0.f);  // running max, rescale, 16-lane sums
+  float *m = stats.data(), *alpha = m + rows16, *l = alpha + rows16;
+  // A finite floor, not -inf: the first rescale 2^(floor - m) is then exactly 0, not NaN.
+  std::fill(m, m + rows, -1e30f);
   qrow.resize(static_cast<size_t>(rows));
-  std::vector<int64_t> valid(static_cast<size_t>(rows));
+  valid.resize(static_cast<size_t>(rows));
   for (int64_t j = 0; j < hg; ++j)  // row j * tq + t: head g * hg + j at position t0 + t
     for (int64_t t = 0; t < tq; ++t) qrow[j * tq + t] = s.q[t0 + t] + (it.g * hg + j) * d;
   vrow.resize(static_cast<size_t>(kKTile));
@@ -256,10 +292,9 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKeys& pk) 
       kQk[nr](qrow.data() + r, ktile, d, sbuf.data() + r * kKTile);
     }
     for (int64_t r = 0; r < rows; ++r) {  // keys at positions <= the query's own
-      int64_t pos = offset + t0 + r % tq;
-      valid[r] = std::clamp<int64_t>(pos - k0 + 1, 0, n_keys);
-      alpha[r] = softmax_step(sbuf.data() + r * kKTile, valid[r], scale, m[r], l[r]);
+      valid[r] = std::clamp<int64_t>(offset + t0 + r % tq - k0 + 1, 0, n_keys);
     }
+    softmax_tile(sbuf.data(), rows, rows16, valid.data(), c, m, alpha, l);
     for (int64_t j = 0; j < n_keys; ++j) vrow[j] = s.v[k0 + j] + it.g * d;
     for (int64_t r = 0; r < rows; r += kRows) {
       int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
@@ -270,7 +305,8 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKeys& pk) 
   for (int64_t j = 0; j < hg; ++j) {
     for (int64_t t = 0; t < tq; ++t) {
       const float* o = obuf.data() + (j * tq + t) * d;
-      float inv = 1.f / l[j * tq + t];
+      const float* lr = l + 16 * (j * tq + t);
+      float inv = 1.f / std::accumulate(lr, lr + 16, 0.f);
       float* dst = s.out[t0 + t] + (it.g * hg + j) * d;
       for (int64_t x = 0; x < d; ++x) dst[x] = o[x] * inv;
     }
