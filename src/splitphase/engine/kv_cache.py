@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitphase.errors import UserError
+from splitphase.kernels import prefill_attention
 from splitphase.kernels.attention import decode_attention
 from splitphase.kernels.decode_stack import DecodePlan
 from splitphase.model.config import ModelConfig
@@ -184,7 +185,10 @@ class PagedAttention:
         out = torch.empty(
             1, self.num_rows, flat.shape[2] * flat.shape[3], dtype=q.dtype, device=q.device
         )
-        for p in self.prefills:
+        for p in self.prefills:  # the native kernel reads the pool and the rows in place
+            rows, ctx = p.rows, p.context_slots
+            if prefill_attention.causal_paged(flat[0], k_pool, v_pool, rows, ctx, out[0]):
+                continue
             qc = flat[:, p.rows]  # (1, T, H, D)
             kc, vc = k_pool[p.context_slots][None], v_pool[p.context_slots][None]  # (1, S, G, D)
             t, s = qc.shape[1], kc.shape[1]

@@ -63,6 +63,8 @@ def attend_prefix(
 ) -> torch.Tensor:
     """Causal attention of q (B, Tq, H, D), the last Tq of the S positions of k/v (B, S, G, D),
     plus each query's own extra key/value from self_kv; returns (B, Tq, H*D)."""
+    if self_kv is None:
+        return attn.attend_causal(q, k, v)
     q_len, kv_len = q.shape[1], k.shape[1]
     mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # (Tq, S)
     if self_kv is not None:
@@ -79,7 +81,7 @@ class NoCache:
     def attend(
         self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        return attn.attend(q, k, v, mask=None, causal=True)
+        return attn.attend_causal(q, k, v)
 
 
 class KVCache:
@@ -122,9 +124,7 @@ class KVCache:
         q_len = q.shape[1]
         if q_len == 1:  # one new token attends to everything before it: no mask needed
             return self._decode_attend(layer_idx, attn, q, end)
-        if start == 0:
-            return attn.attend(q, k_all, v_all, mask=None, causal=True)
-        return attn.attend(q, k_all, v_all, mask=causal_mask(q_len, end, q.device), causal=False)
+        return attn.attend_causal(q, k_all, v_all)  # causal from position `start`
 
     def _decode_attend(
         self, layer_idx: int, attn: Attention, q: torch.Tensor, end: int

@@ -79,7 +79,7 @@ class StoredKV:
         self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.kv[layer_idx] = (k, v)  # (B, T, G, D) each; autograd keeps them alive anyway
-        return attn.attend(q, k, v, mask=None, causal=True)
+        return attn.attend_causal(q, k, v)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         return attend_prefix(attn, q, *self.kv[layer_idx])

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitphase.kernels import elementwise, packed_linear, skinny
+from splitphase.kernels import elementwise, packed_linear, prefill_attention, skinny
 from splitphase.model.config import ModelConfig
 
 
@@ -202,6 +202,16 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T|S, D)
         out = sdpa_gqa(q, k, v, mask, causal and mask is None)
         return out.transpose(1, 2).flatten(2)  # (B, T, H*D)
+
+    def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q (B, T, H, D), the last T of the S positions of k/v (B, S, G, D);
+        returns (B, T, H*D). The native prefill kernel where it applies, else SDPA."""
+        out = prefill_attention.causal(q, k, v)
+        if out is not None:
+            return out
+        t, s = q.shape[1], k.shape[1]
+        mask = None if t == s else causal_mask(t, s, q.device)  # (T, S)
+        return self.attend(q, k, v, mask=mask, causal=mask is None)
 
 
 def _sdpa_has_gqa() -> bool:

@@ -1,0 +1,183 @@
+"""Native causal prefill attention against torch SDPA, and the model and engine paths using it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitphase.kernels import build, prefill_attention
+from splitphase.model.config import ModelConfig
+from splitphase.model.transformer import Transformer
+
+needs_kernel = pytest.mark.skipif(
+    not build.available(), reason=f"native kernel unavailable: {build.status().reason}"
+)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (B, T, H, D), the last T of the S positions of k/v (B, S, G, D) -> (B, T, H*D)."""
+    t, s = q.shape[1], k.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]  # (T, S)
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)  # (B, S, H, D)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )
+    return out.transpose(1, 2).flatten(2)
+
+
+def _qkv(b: int, t: int, s: int, heads: int, groups: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, heads, dim, generator=g)
+    k = torch.randn(b, s, groups, dim, generator=g)
+    v = torch.randn(b, s, groups, dim, generator=g)
+    return q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 130])
+@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (12, 4), (6, 2)])
+def test_whole_prompt_matches_sdpa(n: int, heads: int, groups: int) -> None:
+    q, k, v = _qkv(1, n, n, heads, groups, 64)
+    got = prefill_attention.causal(q, k, v)
+    assert got is not None and got.shape == (1, n, heads * 64)
+    torch.testing.assert_close(got, _sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("t", "s"), [(1, 1), (1, 130), (7, 70), (65, 130), (33, 200), (130, 131)])
+@pytest.mark.parametrize("dim", [64, 128, 16])
+def test_chunk_after_a_cached_prefix_matches_sdpa(t: int, s: int, dim: int) -> None:
+    q, k, v = _qkv(2, t, s, 12, 3, dim, seed=t + s)
+    got = prefill_attention.causal(q, k, v)
+    assert got is not None
+    torch.testing.assert_close(got, _sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_strided_views_are_read_in_place() -> None:
+    # K/V as the contiguous cache hands them over: the first S of T_max positions; q as a
+    # column slice of a fused Q/K/V projection (rows (H+2G)*D apart).
+    b, t_max, s, heads, groups, dim = 2, 160, 97, 8, 2, 64
+    g = torch.Generator().manual_seed(5)
+    cache_k = torch.randn(b, t_max, groups, dim, generator=g)
+    cache_v = torch.randn(b, t_max, groups, dim, generator=g)
+    qkv = torch.randn(b, 40, (heads + 2 * groups) * dim, generator=g)
+    q = qkv[..., : heads * dim].unflatten(-1, (heads, dim))  # (B, 40, H, D), strided rows
+    k, v = cache_k[:, :s], cache_v[:, :s]
+    assert not q.is_contiguous() and not k.is_contiguous()
+    got = prefill_attention.causal(q, k, v)
+    assert got is not None
+    torch.testing.assert_close(got, _sdpa(q.contiguous(), k.contiguous(), v.contiguous()),
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_paged_rows_and_slots_match_the_gathered_sdpa() -> None:
+    heads, groups, dim, pool, n_rows = 12, 4, 64, 400, 90
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(n_rows, heads, dim, generator=g)
+    k_pool = torch.randn(pool, groups, dim, generator=g)
+    v_pool = torch.randn(pool, groups, dim, generator=g)
+    slots = torch.randperm(pool, generator=g)[:150]  # the sequence's positions 0..149
+    rows = torch.cat([torch.arange(10, 79), torch.tensor([89])])  # 70 queries, the last apart
+    out = torch.full((n_rows, heads * dim), 7.0)
+    assert prefill_attention.causal_paged(q, k_pool, v_pool, rows, slots, out)
+    ref = _sdpa(q[rows][None], k_pool[slots][None], v_pool[slots][None])[0]
+    torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+    untouched = torch.ones(n_rows, dtype=torch.bool)
+    untouched[rows] = False
+    assert bool((out[untouched] == 7.0).all())  # only the chunk's rows are written
+
+
+@needs_kernel
+def test_falls_back_where_the_kernel_does_not_apply() -> None:
+    q, k, v = _qkv(1, 8, 8, 4, 2, 64)
+    assert prefill_attention.causal(q.bfloat16(), k.bfloat16(), v.bfloat16()) is None
+    assert prefill_attention.causal(*_qkv(1, 8, 8, 4, 2, 24)) is None  # head_dim not 16k
+    assert prefill_attention.causal(q[:, :, :, :32], k[..., :32], v[..., :32]) is None  # strided
+    with torch.enable_grad():
+        assert prefill_attention.causal(q.requires_grad_(), k, v) is None  # training: SDPA
+    with prefill_attention.switched(False):
+        assert prefill_attention.causal(q.detach(), k, v) is None
+
+
+def _chunked_hidden(model: Transformer, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Hidden states of every position, the prompt fed in chunks through the contiguous cache."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    outs = []
+    for i in range(0, ids.shape[1], chunk):
+        part = ids[:, i : i + chunk]
+        cache.begin(part.shape[1])
+        outs.append(model.hidden_states(part, torch.arange(i, i + part.shape[1]), cache))
+        cache.commit()
+    return torch.cat(outs, 1)  # (B, T, d_model)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Counts the calls of prefill_attention.<name> that the kernel served."""
+    real, served = getattr(prefill_attention, name), []
+
+    def spy(*args: torch.Tensor) -> object:
+        got = real(*args)
+        served.extend([1] if got is not None and got is not False else [])
+        return got
+
+    monkeypatch.setattr(prefill_attention, name, spy)
+    return served
+
+
+@needs_kernel
+@pytest.mark.parametrize("chunk", [70, 24])
+def test_cached_prefill_matches_torch_sdpa(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("tiny")).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 70))
+    served = _counting(monkeypatch, "causal")
+    with torch.inference_mode():
+        fast = _chunked_hidden(model, ids, chunk)
+    assert len(served) == model.cfg.n_layers * -(-70 // chunk)  # every layer of every chunk
+    with torch.inference_mode(), prefill_attention.switched(False):
+        ref = _chunked_hidden(model, ids, chunk)
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_uncached_forward_uses_the_kernel_only_without_autograd() -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("tiny")).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 50))
+    with torch.inference_mode():
+        fast = model(ids)
+        with prefill_attention.switched(False):
+            ref = model(ids)
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+    trained = model(ids)  # autograd on: SDPA, which has a backward
+    assert trained.requires_grad
+    torch.testing.assert_close(trained.detach(), ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_paged_engine_prefill_chunks_match_torch_sdpa(
+    tiny_model: Transformer, tokenizer: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from splitphase.engine.config import EngineConfig
+    from splitphase.engine.llm_engine import LLMEngine
+    from splitphase.engine.sampling_params import SamplingParams
+
+    prompt = [0, *range(5, 45)]
+    cfg = EngineConfig(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    engine = LLMEngine(tiny_model, tokenizer, cfg)  # type: ignore[arg-type]
+    served = _counting(monkeypatch, "causal_paged")
+    with torch.inference_mode():
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=1), prompt_logprobs=0)
+        out = None
+        while engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+        with prefill_attention.switched(False):
+            ref = tiny_model(torch.tensor([prompt]))[0].log_softmax(-1)
+    assert len(served) == tiny_model.cfg.n_layers * 3  # 41 tokens in chunks of 16
+    assert out is not None and out.prompt_logprobs is not None
+    expected = [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert [lp for lp, _ in out.prompt_logprobs] == pytest.approx(expected, abs=1e-4)
