@@ -3,7 +3,8 @@
 "model" is the model as it runs (residual add + RMSNorm in one native pass, SiLU*mul in one,
 torch's linears); "packed" switches on the opt-in fp32 linears on MKL-packed weights
 (`SPLITPHASE_PACKED_PREFILL=1`); "unfused" swaps in the torch arithmetic the element-wise
-passes replaced (`x + r` then the norm; `F.silu(g) * u`); everything else equal. Runs
+passes replaced (`x + r` then the norm; `F.silu(g) * u`); "sdpa" runs attention through
+torch's SDPA instead of the native causal prefill kernel; everything else equal. Runs
 alternate, each figure is the best run; the FLOP fraction uses
 `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
 query-key pairs, the LM head at the last position) over the best linear rate at the model's
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from splitphase.audit.flops import prefill_flops
-from splitphase.kernels import elementwise, packed_linear
+from splitphase.kernels import elementwise, packed_linear, prefill_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import matmul_peak_flops_per_s
@@ -52,8 +53,13 @@ def _packed() -> contextlib.AbstractContextManager[None]:
     return packed_linear.switched(True)
 
 
+def _sdpa() -> contextlib.AbstractContextManager[None]:
+    """Torch's SDPA (its CPU flash kernel) instead of the native causal prefill attention."""
+    return prefill_attention.switched(False)
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-    "model": contextlib.nullcontext, "packed": _packed, "unfused": _unfused}
+    "model": contextlib.nullcontext, "packed": _packed, "unfused": _unfused, "sdpa": _sdpa}
 
 
 def main() -> None:
