@@ -1,0 +1,206 @@
+// The register-blocked pieces of the prefill attention kernel (prefill_attention.cpp), for a
+// block of up to 6 query rows against one tile of 64 keys: scores (Q K^T), the online-softmax
+// step, and the weighted sum of values (P V). K tiles are packed transposed (D, 64) and V
+// tiles row-major (64, D), both contiguous, so every operand of the inner loops is a
+// contiguous 16-lane load or a broadcast; 6 rows x 4 vectors = 24 accumulators of 32 zmm.
+// A scalar version of each serves machines without AVX-512 (same arithmetic, slower).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPLITPHASE_AVX512 1
+#include "simd.h"
+#endif
+
+namespace splitphase_tiles {
+
+constexpr int64_t kKTile = 64;  // keys per tile: four 16-lane vectors of scores per row
+constexpr int kRows = 6;        // query rows per register block
+
+#if SPLITPHASE_AVX512
+// s[r][0:16NK] = q_r . kt[:, 0:16NK] for R rows of q (row stride ldq); kt is (D, 64).
+template <int R, int NK>
+inline void qk_block(const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+  __m512 acc[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    __m512 kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = _mm512_loadu_ps(kt + i * kKTile + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      __m512 qb = _mm512_set1_ps(q[r * ldq + i]);
+      for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_fmadd_ps(qb, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NK; ++c) _mm512_storeu_ps(s + r * kKTile + 16 * c, acc[r][c]);
+}
+
+// o[r][col:col+16NV] = alpha[r] * o[r][...] + sum_{j<n} p[r][j] * v[j][col:...]; v is (64, D).
+template <int R, int NV>
+inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, const float* alpha,
+                     float* o, int64_t d) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + col + 16 * c));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(v + j * d + col + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      __m512 pb = _mm512_set1_ps(p[r * kKTile + j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vj[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + col + 16 * c, acc[r][c]);
+}
+
+// 2^x, Cephes' exp2f: x = n + r with |r| <= 1/2, a degree-6 polynomial for 2^r, scaled by
+// 2^n (scalef gives 0 for a very negative n; no clamp needed). Lanes outside `keep` are 0.
+inline __m512 exp2_16(__mmask16 keep, __m512 x) {
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  if (n >= 16) return static_cast<__mmask16>(0xffff);
+  return n > 0 ? splitphase_simd::tail_mask(n) : static_cast<__mmask16>(0);
+}
+
+// Folds one tile of raw scores s (nr rows x 64; row r's first valid[r] are real) into the
+// running softmax, in log2 units (c = scale * log2 e): m[r] (the running max) moves up,
+// alpha[r] gets 2^(m_old - m_new) (what the row's output so far is rescaled by), s becomes
+// 2^(c s - m_new) (0 past valid[r]), and the row's 16-lane partial sums l[16r:16r+16] are
+// rescaled and added to (one horizontal sum per row at the very end, not one per tile).
+inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
+                         float* alpha, float* l) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < nr; ++r) {
+    __m512 mx = ninf;
+    for (int k = 0; k < 4; ++k) {
+      __m512 x = _mm512_loadu_ps(s + r * kKTile + 16 * k);
+      mx = _mm512_mask_max_ps(mx, first_lanes(valid[r] - 16 * k), mx, x);
+    }
+    alpha[r] = m[r];
+    m[r] = std::max(m[r], _mm512_reduce_max_ps(mx) * c);  // the scale is > 0: max commutes
+  }
+  __mmask16 rows = first_lanes(nr);
+  __m512 shift = _mm512_sub_ps(_mm512_maskz_loadu_ps(rows, alpha), _mm512_maskz_loadu_ps(rows, m));
+  _mm512_mask_storeu_ps(alpha, rows, exp2_16(rows, shift));
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int r = 0; r < nr; ++r) {
+    __m512 mv = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      float* p = s + r * kKTile + 16 * k;
+      __m512 e = exp2_16(first_lanes(valid[r] - 16 * k),
+                         _mm512_fmsub_ps(_mm512_loadu_ps(p), cv, mv));
+      _mm512_storeu_ps(p, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    __m512 lr = _mm512_loadu_ps(l + 16 * r);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(lr, _mm512_set1_ps(alpha[r]), sum));
+  }
+}
+#else
+template <int R, int NK>
+inline void qk_block(const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * kKTile;
+    for (int64_t c = 0; c < 16 * NK; ++c) sr[c] = 0.f;
+    for (int64_t i = 0; i < d; ++i)
+      for (int64_t c = 0; c < 16 * NK; ++c) sr[c] += q[r * ldq + i] * kt[i * kKTile + c];
+  }
+}
+
+template <int R, int NV>
+inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, const float* alpha,
+                     float* o, int64_t d) {
+  for (int r = 0; r < R; ++r) {
+    float* orow = o + r * d + col;
+    for (int64_t c = 0; c < 16 * NV; ++c) orow[c] *= alpha[r];
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < 16 * NV; ++c) orow[c] += p[r * kKTile + j] * v[j * d + col + c];
+  }
+}
+
+inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
+                         float* alpha, float* l) {
+  for (int r = 0; r < nr; ++r) {
+    float* p = s + r * kKTile;
+    float m_new = m[r], sum = 0.f;
+    for (int64_t j = 0; j < valid[r]; ++j) m_new = std::max(m_new, p[j] * c);
+    alpha[r] = std::exp2(m[r] - m_new);
+    m[r] = m_new;
+    for (int64_t j = 0; j < kKTile; ++j) {
+      p[j] = j < valid[r] ? std::exp2(p[j] * c - m_new) : 0.f;
+      sum += p[j];
+    }
+    l[16 * r] = l[16 * r] * alpha[r] + sum;  // lane 0 of the row's partial sums
+  }
+}
+#endif
+
+// qk_block for nr (1..6) rows and the first nk (1..4) vectors of 16 keys.
+template <int R>
+inline void qk_cols(int nk, const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+  switch (nk) {
+    case 1: return qk_block<R, 1>(q, ldq, kt, d, s);
+    case 2: return qk_block<R, 2>(q, ldq, kt, d, s);
+    case 3: return qk_block<R, 3>(q, ldq, kt, d, s);
+    default: return qk_block<R, 4>(q, ldq, kt, d, s);
+  }
+}
+
+inline void qk(int nr, int nk, const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+  switch (nr) {
+    case 1: return qk_cols<1>(nk, q, ldq, kt, d, s);
+    case 2: return qk_cols<2>(nk, q, ldq, kt, d, s);
+    case 3: return qk_cols<3>(nk, q, ldq, kt, d, s);
+    case 4: return qk_cols<4>(nk, q, ldq, kt, d, s);
+    case 5: return qk_cols<5>(nk, q, ldq, kt, d, s);
+    default: return qk_cols<6>(nk, q, ldq, kt, d, s);
+  }
+}
+
+template <int NV>
+inline void pv_rows(int nr, const float* p, const float* v, int64_t n, int64_t col,
+                    const float* alpha, float* o, int64_t d) {
+  switch (nr) {
+    case 1: return pv_block<1, NV>(p, v, n, col, alpha, o, d);
+    case 2: return pv_block<2, NV>(p, v, n, col, alpha, o, d);
+    case 3: return pv_block<3, NV>(p, v, n, col, alpha, o, d);
+    case 4: return pv_block<4, NV>(p, v, n, col, alpha, o, d);
+    case 5: return pv_block<5, NV>(p, v, n, col, alpha, o, d);
+    default: return pv_block<6, NV>(p, v, n, col, alpha, o, d);
+  }
+}
+
+// o[nr rows] = alpha * o + p @ v over n keys, all D (a multiple of 16) columns in chunks of
+// up to 4 vectors.
+inline void pv(int nr, const float* p, const float* v, int64_t n, const float* alpha, float* o,
+               int64_t d) {
+  int64_t col = 0;
+  for (; col + 64 <= d; col += 64) pv_rows<4>(nr, p, v, n, col, alpha, o, d);
+  switch ((d - col) / 16) {
+    case 1: pv_rows<1>(nr, p, v, n, col, alpha, o, d); break;
+    case 2: pv_rows<2>(nr, p, v, n, col, alpha, o, d); break;
+    case 3: pv_rows<3>(nr, p, v, n, col, alpha, o, d); break;
+    default: break;
+  }
+}
+
+}  // namespace splitphase_tiles
