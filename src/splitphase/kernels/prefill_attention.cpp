@@ -177,7 +177,7 @@ void attend_all(const std::vector<Seq>& seqs, const Shape& sh) {
   splitphase_pool::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) attend_item(seqs[items[it].seq], items[it], sh, pk);
   });
-  splitphase_pool::park_after(kQTile + 1);  // an o_proj GEMM comes next
+  splitphase_pool::park_helpers();  // an o_proj GEMM comes next
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
