@@ -74,21 +74,34 @@ def test_strided_views_are_read_in_place() -> None:
 
 
 @needs_kernel
-def test_paged_rows_and_slots_match_the_gathered_sdpa() -> None:
-    heads, groups, dim, pool, n_rows = 12, 4, 64, 400, 90
+def test_paged_chunks_match_the_gathered_sdpa() -> None:
+    heads, groups, dim, pool, n_rows = 12, 4, 64, 400, 100
     g = torch.Generator().manual_seed(7)
     q = torch.randn(n_rows, heads, dim, generator=g)
     k_pool = torch.randn(pool, groups, dim, generator=g)
     v_pool = torch.randn(pool, groups, dim, generator=g)
-    slots = torch.randperm(pool, generator=g)[:150]  # the sequence's positions 0..149
-    rows = torch.cat([torch.arange(10, 79), torch.tensor([89])])  # 70 queries, the last apart
+    order = torch.randperm(pool, generator=g)
+    # A whole 70-token prompt whose sampling row sits at the batch's tail, and a 9-token chunk
+    # after a 31-token cached prefix; rows 79..98 belong to neither.
+    chunks = [
+        (torch.cat([torch.arange(10, 79), torch.tensor([99])]), order[:70]),
+        (torch.arange(0, 9), order[200:240]),
+    ]
     out = torch.full((n_rows, heads * dim), 7.0)
-    assert prefill_attention.causal_paged(q, k_pool, v_pool, rows, slots, out)
-    ref = _sdpa(q[rows][None], k_pool[slots][None], v_pool[slots][None])[0]
-    torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
-    untouched = torch.ones(n_rows, dtype=torch.bool)
-    untouched[rows] = False
-    assert bool((out[untouched] == 7.0).all())  # only the chunk's rows are written
+    packed = prefill_attention.PagedChunks.build(chunks)
+    assert packed.valid()
+    assert prefill_attention.causal_paged(q, k_pool, v_pool, packed, out)
+    written = torch.zeros(n_rows, dtype=torch.bool)
+    for rows, slots in chunks:
+        ref = _sdpa(q[rows][None], k_pool[slots][None], v_pool[slots][None])[0]
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+        written[rows] = True
+    assert bool((out[~written] == 7.0).all())  # only the chunks' rows are written
+
+
+def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:
+    bad = prefill_attention.PagedChunks.build([(torch.arange(5), torch.arange(4))])
+    assert not bad.valid()
 
 
 @needs_kernel

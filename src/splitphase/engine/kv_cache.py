@@ -154,6 +154,9 @@ class PagedAttention:
         self.decodes = decodes  # the decode tokens: the last rows of the batch
         self.aux = aux  # the sampling rows' contexts, for the auxiliary flow
         self.num_rows = write_slots.shape[0]
+        chunks = prefill_attention.PagedChunks.build(
+            [(p.rows, p.context_slots) for p in prefills]) if prefills else None
+        self._chunks = chunks if chunks is not None and chunks.valid() else None
 
     def decode_plan(self) -> DecodePlan | None:
         """The step as pool slots when every row is a decode token (else None)."""
@@ -185,10 +188,11 @@ class PagedAttention:
         out = torch.empty(
             1, self.num_rows, flat.shape[2] * flat.shape[3], dtype=q.dtype, device=q.device
         )
-        for p in self.prefills:  # the native kernel reads the pool and the rows in place
-            rows, ctx = p.rows, p.context_slots
-            if prefill_attention.causal_paged(flat[0], k_pool, v_pool, rows, ctx, out[0]):
-                continue
+        # All prefill chunks in one native call, reading the pool and the rows in place.
+        native = self._chunks is not None and prefill_attention.causal_paged(
+            flat[0], k_pool, v_pool, self._chunks, out[0]
+        )
+        for p in [] if native else self.prefills:
             qc = flat[:, p.rows]  # (1, T, H, D)
             kc, vc = k_pool[p.context_slots][None], v_pool[p.context_slots][None]  # (1, S, G, D)
             t, s = qc.shape[1], kc.shape[1]

@@ -18,9 +18,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // Causal q (B, T, H, D) over k/v (B, S, G, D), queries the last T positions -> (B, T, H*D).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
-// Rows q_rows of q (N, H, D), causal over pools (P, G, D) at slots (S,), into out (N, H*D).
+// Varlen chunks: rows q_rows[q_starts[i]:q_starts[i+1]] of q (N, H, D), causal over pools
+// (P, G, D) at slots[k_starts[i]:k_starts[i+1]], into the same rows of out (N, H*D).
 void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& q_rows, const at::Tensor& slots, at::Tensor& out);
+                             const at::Tensor& q_rows, const at::Tensor& q_starts,
+                             const at::Tensor& slots, const at::Tensor& k_starts,
+                             at::Tensor& out);
 
 // w * (x * rsqrt(mean(x^2) + eps)) over the last dim.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

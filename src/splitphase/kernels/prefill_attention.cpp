@@ -219,48 +219,60 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
-// Rows q_rows of q (N, H, D) attend causally over the pool (P, G, D) at slots (S,) (their
-// sequence's positions 0..S-1; the queries are the last T) and are written to those rows of
-// out (N, H*D).
+// Prefill chunks packed into one flattened batch (varlen): chunk i's queries are rows
+// q_rows[q_starts[i]:q_starts[i+1]] of q (N, H, D), the last of its positions, whose K/V sit
+// in the pools (P, G, D) at slots[k_starts[i]:k_starts[i+1]] (positions 0..S_i-1); each
+// attends causally and is written to the same rows of out (N, H*D). One parallel region for
+// all chunks of a step.
 void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& q_rows, const at::Tensor& slots, at::Tensor& out) {
+                             const at::Tensor& q_rows, const at::Tensor& q_starts,
+                             const at::Tensor& slots, const at::Tensor& k_starts,
+                             at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q (N,H,D), k/v pools (P,G,D)");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && out.is_contiguous(), "contiguous pools");
   TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(2) == k.size(2), "GQA shapes");
   TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2),
               "out (N, H*D)");
-  TORCH_CHECK(q_rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "int64");
-  TORCH_CHECK(q_rows.numel() <= slots.numel() && q_rows.numel() > 0, "1 <= T <= S");
+  for (const at::Tensor* t : {&q_rows, &q_starts, &slots, &k_starts})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1, "index tensors: 1-d int64");
+  TORCH_CHECK(q_starts.numel() == k_starts.numel() && q_starts.numel() >= 1, "starts (C+1,)");
   check_rows(q, "q"), check_rows(k, "k"), check_rows(v, "v");
   TORCH_CHECK(out.scalar_type() == at::kFloat, "out: float32");
-  auto rows = q_rows.contiguous();
-  auto sl = slots.contiguous();
+  auto rows = q_rows.contiguous(), qs = q_starts.contiguous();
+  auto sl = slots.contiguous(), ks = k_starts.contiguous();
   const int64_t h = q.size(1), d = q.size(2), g = k.size(1);
   const int64_t *rp = rows.data_ptr<int64_t>(), *sp = sl.data_ptr<int64_t>();
+  const int64_t *qsp = qs.data_ptr<int64_t>(), *ksp = ks.data_ptr<int64_t>();
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t n_chunks = qs.numel() - 1;
+  TORCH_CHECK(qsp[n_chunks] <= rows.numel() && ksp[n_chunks] <= sl.numel(), "starts in range");
   // Row and slot values are the caller's contract (the engine builds them from its block
-  // tables once per step).
-  std::vector<Seq> seqs(1);
-  Seq& sq = seqs[0];
-  for (int64_t j = 0; j < rows.numel(); ++j) {
-    sq.q.push_back(qp + rp[j] * q.stride(0));
-    sq.out.push_back(op + rp[j] * h * d);
+  // tables once per step); the chunk boundaries are checked here.
+  std::vector<Seq> seqs(static_cast<size_t>(n_chunks));
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const int64_t t = qsp[i + 1] - qsp[i], s = ksp[i + 1] - ksp[i];
+    TORCH_CHECK(t >= 1 && t <= s, "chunk ", i, ": 1 <= queries <= keys, got ", t, " and ", s);
+    Seq& sq = seqs[i];
+    for (int64_t j = qsp[i]; j < qsp[i + 1]; ++j) {
+      sq.q.push_back(qp + rp[j] * q.stride(0));
+      sq.out.push_back(op + rp[j] * h * d);
+    }
+    for (int64_t j = ksp[i]; j < ksp[i + 1]; ++j) {
+      sq.k.push_back(kp + sp[j] * g * d);
+      sq.v.push_back(vp + sp[j] * g * d);
+    }
   }
-  for (int64_t j = 0; j < sl.numel(); ++j) {
-    sq.k.push_back(kp + sp[j] * g * d);
-    sq.v.push_back(vp + sp[j] * g * d);
-  }
-  attend_all(seqs, {h, g, d});
+  if (n_chunks > 0) attend_all(seqs, {h, g, d});
 }
 
 }  // namespace splitphase_ops
 
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
-  m.def("prefill_attention_paged(Tensor q, Tensor k, Tensor v, Tensor q_rows, Tensor slots, "
-        "Tensor(a!) out) -> ()");
+  m.def("prefill_attention_paged(Tensor q, Tensor k, Tensor v, Tensor q_rows, Tensor q_starts, "
+        "Tensor slots, Tensor k_starts, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {

@@ -11,7 +11,9 @@ multiple of 16; anything else (GPU, bf16, autograd) is left to the caller's torc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -68,20 +70,49 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | 
     return torch.ops.splitphase.prefill_attention(q, k, v)
 
 
+@dataclass(frozen=True)
+class PagedChunks:
+    """A step's prefill chunks, packed for one kernel call (varlen, like cu_seqlens).
+
+    Chunk i's queries are rows q_rows[q_starts[i]:q_starts[i+1]] of the flattened batch, in
+    position order, the last of its positions; slots[k_starts[i]:k_starts[i+1]] are the pool
+    slots of its positions 0..S_i-1.
+    """
+
+    q_rows: torch.Tensor  # (sum T_i,) int64
+    q_starts: torch.Tensor  # (C+1,) int64
+    slots: torch.Tensor  # (sum S_i,) int64
+    k_starts: torch.Tensor  # (C+1,) int64
+
+    @classmethod
+    def build(cls, chunks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> PagedChunks:
+        """From (rows, context slots) per chunk; built once per step, read by every layer."""
+        rows, slots = [r for r, _ in chunks], [s for _, s in chunks]
+
+        def starts(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(len(p) for p in parts)])
+
+        return cls(torch.cat(rows), starts(rows), torch.cat(slots), starts(slots))
+
+    def valid(self) -> bool:
+        """Every chunk has 1 <= T_i <= S_i (the kernel's contract); CPU int64 indices."""
+        t, s = self.q_starts.diff(), self.k_starts.diff()
+        same = all(x.dtype == torch.long and x.device.type == "cpu" for x in (
+            self.q_rows, self.q_starts, self.slots, self.k_starts))
+        return same and len(t) > 0 and bool(((t >= 1) & (t <= s)).all())
+
+
 def causal_paged(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    q_rows: torch.Tensor,
-    slots: torch.Tensor,
+    chunks: PagedChunks,
     out: torch.Tensor,
 ) -> bool:
-    """Rows q_rows of q (N, H, D) attend causally over k/v pools (P, G, D) at slots (S,), the
-    slots of their sequence's positions 0..S-1 (the queries are the last T); writes those rows
-    of out (N, H*D). False when the kernel does not apply (nothing written)."""
-    if q.dim() != 3 or k_pool.dim() != 3 or not 0 < q_rows.numel() <= slots.numel():
-        return False
-    if q_rows.dtype != torch.long or slots.dtype != torch.long:
+    """Each chunk's rows of q (N, H, D) attend causally over k/v pools (P, G, D) at its slots;
+    writes those rows of out (N, H*D). False when the kernel does not apply (nothing written).
+    """
+    if q.dim() != 3 or k_pool.dim() != 3:
         return False
     if not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
         return False
@@ -89,5 +120,8 @@ def causal_paged(
         return False
     if not _ok(q, k_pool, v_pool):
         return False
-    torch.ops.splitphase.prefill_attention_paged(q, k_pool, v_pool, q_rows, slots, out)
+    c = chunks
+    torch.ops.splitphase.prefill_attention_paged(
+        q, k_pool, v_pool, c.q_rows, c.q_starts, c.slots, c.k_starts, out
+    )
     return True
