@@ -37,7 +37,7 @@ def _qkv(b: int, t: int, s: int, heads: int, groups: int, dim: int, seed: int = 
 
 @needs_kernel
 @pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 130])
-@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (12, 4), (6, 2)])
+@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (12, 4), (6, 2), (16, 2)])
 def test_whole_prompt_matches_sdpa(n: int, heads: int, groups: int) -> None:
     q, k, v = _qkv(1, n, n, heads, groups, 64)
     got = prefill_attention.causal(q, k, v)

@@ -1,5 +1,5 @@
 // Causal GQA prefill attention in fp32, flash-style (Dao et al. 2022): queries in tiles of
-// 32 positions against keys in tiles of 64 with an online softmax (running max and sum per
+// up to 64 positions against keys in tiles of 64 with an online softmax (running max and sum per
 // row), so the (T, S) score matrix never exists. Key tiles above the diagonal are skipped, and
 // in the tiles the diagonal crosses each block of rows computes only the keys it can see.
 // The H/G query heads that share a K/V head are rows of one work item, so each K/V tile is
@@ -28,7 +28,16 @@ namespace {
 
 using splitphase_tiles::kKTile;
 using splitphase_tiles::kRows;
-constexpr int64_t kQTile = 32;  // query positions per work item
+
+// Query positions per work item, for hg query heads per K/V head: about 96 rows (positions x
+// heads) share each K/V tile, and a multiple of the 6-row register block where one exists
+// (a 2-row remainder block runs its multiply-adds at a third of the rate).
+int64_t q_tile(int64_t hg) {
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(64, 96 / hg));
+  for (int64_t t = most; t >= 1; --t)
+    if ((hg * t) % kRows == 0) return t;
+  return most;
+}
 
 // One sequence's rows: T queries (the last T of its S positions) over S keys.
 struct Seq {
@@ -114,7 +123,7 @@ struct Scratch {
 void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
   const int64_t t_len = static_cast<int64_t>(s.q.size()), s_len = static_cast<int64_t>(s.k.size());
   const int64_t offset = s_len - t_len, d = sh.dim, hg = sh.per_group();
-  const int64_t t0 = it.qt * kQTile, tq = std::min(kQTile, t_len - t0), rows = hg * tq;
+  const int64_t t0 = it.qt * q_tile(hg), tq = std::min(q_tile(hg), t_len - t0), rows = hg * tq;
   // Softmax in log2 units: 2^(c s) = e^(s / sqrt(D)).
   const float c = 1.4426950408889634f / std::sqrt(static_cast<float>(d));
   thread_local Scratch w;
@@ -165,8 +174,9 @@ void attend_all(const std::vector<Seq>& seqs, const Shape& sh) {
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     int64_t t_len = static_cast<int64_t>(seqs[i].q.size());
     int64_t offset = static_cast<int64_t>(seqs[i].k.size()) - t_len;
-    for (int64_t qt = 0; qt < n_tiles(t_len, kQTile); ++qt) {
-      int64_t last = offset + std::min(t_len, (qt + 1) * kQTile) - 1;  // the tile's last position
+    const int64_t tile = q_tile(sh.per_group());
+    for (int64_t qt = 0; qt < n_tiles(t_len, tile); ++qt) {
+      int64_t last = offset + std::min(t_len, (qt + 1) * tile) - 1;  // the tile's last position
       for (int64_t g = 0; g < sh.groups; ++g) items.push_back({i, g, qt, last / kKTile + 1});
     }
   }
