@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -58,12 +59,12 @@ int64_t n_tiles(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
 // scores for 64 keys are four vectors of multiply-adds per dimension, then its V tile
 // (64, D); zeros past the sequence's last key.
 struct PackedKV {
-  std::vector<float> data;
+  std::unique_ptr<float[]> data;  // not value-initialised: pack_tile writes every element
   std::vector<int64_t> seq_base;  // where sequence i's (G, tiles, 2, 64 * D) block starts
   std::vector<int64_t> seq_tiles;
 
   float* k_tile(int64_t seq, int64_t g, int64_t kt, int64_t d) {
-    return data.data() + seq_base[seq] + (g * seq_tiles[seq] + kt) * 2 * kKTile * d;
+    return data.get() + seq_base[seq] + (g * seq_tiles[seq] + kt) * 2 * kKTile * d;
   }
   float* v_tile(int64_t seq, int64_t g, int64_t kt, int64_t d) {
     return k_tile(seq, g, kt, d) + kKTile * d;
@@ -97,7 +98,7 @@ PackedKV pack_kv(const std::vector<Seq>& seqs, const Shape& sh) {
     for (int64_t g = 0; g < sh.groups; ++g)
       for (int64_t kt = 0; kt < tiles; ++kt) jobs.push_back({i, g, kt});
   }
-  pk.data.resize(static_cast<size_t>(total));
+  pk.data.reset(new float[static_cast<size_t>(total)]);
   auto pack = [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
       auto [i, g, kt] = jobs[j];
