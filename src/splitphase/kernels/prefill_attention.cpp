@@ -118,7 +118,7 @@ struct Item {
 // g * H/G + j at the tile's position t), so a query position's rows are adjacent in q and out.
 struct Scratch {
   std::vector<float> q, o, s, stats;
-  std::vector<int64_t> valid;
+  std::vector<int64_t> valid, pos;
 };
 
 void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
@@ -133,6 +133,8 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
   w.s.resize(static_cast<size_t>(kRows * kKTile));
   w.stats.assign(static_cast<size_t>(18 * rows + 16), 0.f);  // max, rescale, 16-lane sums
   w.valid.resize(static_cast<size_t>(rows));
+  w.pos.resize(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = offset + t0 + r / hg;  // not per tile: a division
   float *m = w.stats.data(), *alpha = m + rows + 16, *l = alpha + rows;
   // A finite floor, not -inf: the first rescale 2^(floor - m) is then exactly 0, not NaN.
   std::fill(m, m + rows, -1e30f);
@@ -148,7 +150,7 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
       int64_t n = 0;  // keys at positions <= the row's own: the last row of a block sees most
       for (int i = 0; i < nr; ++i) {
-        w.valid[r + i] = std::clamp<int64_t>(offset + t0 + (r + i) / hg - k0 + 1, 0, n_keys);
+        w.valid[r + i] = std::clamp<int64_t>(w.pos[r + i] - k0 + 1, 0, n_keys);
         n = std::max(n, w.valid[r + i]);
       }
       if (n == 0) continue;  // the block sees none of this tile: its state stays as it is
