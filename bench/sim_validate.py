@@ -10,7 +10,7 @@ front-end hop and (disaggregated) the hand-off latency, both measured with idle 
 requests before the run.
 
     OMP_NUM_THREADS=1 python bench/sim_validate.py [--quick] [--out FILE] [--requests N]
-        [--policies mixed chunked disaggregated]
+        [--rounds R] [--policies mixed chunked disaggregated]
 """
 
 from __future__ import annotations
@@ -134,14 +134,15 @@ def samples_worker(cfg: ModelConfig, steps: list[Any], role: str, dtype_bytes: i
     """Worker steps carry counts, FLOPs and bytes only: rebuild one chunk per step (its cached
     prefix from the KV bytes read) and the decodes' mean context.
 
-    A decode step's time is its loop cadence (to the next step's start) when the loop went
-    straight on: between steps the worker sends outputs to the front end and adopts hand-offs,
-    and every streamed token pays that too. A longer gap is the loop idling for work."""
+    A step's time is its loop cadence (to the next step's start) when the loop went straight
+    on: between steps a worker sends outputs to the front end and hands off (prefill) or adopts
+    (decode) K/V, and every request queued behind it pays that too. A longer gap is the loop
+    idling for work."""
     out = []
     mine = [s for s in steps if getattr(s, "role", None) == role and s.wall_s > 0]
     for s, nxt in zip(mine, [*mine[1:], None], strict=True):
         wall_s = s.wall_s
-        if role == "decode" and nxt is not None and s.started_s and nxt.started_s:
+        if nxt is not None and s.started_s and nxt.started_s:
             gap_s = nxt.started_s - s.started_s - s.wall_s
             if 0 <= gap_s < _BUSY_GAP_S:
                 wall_s += gap_s
@@ -216,10 +217,11 @@ def measure_hop_s(llm: LLM, seen: list[tuple[SchedulerOutput, float]], vocab: in
     return hop, handoff
 
 
-def run_policy(policy: str, streams: dict[str, list[SimRequest]]
+def run_policy(policy: str, streams: dict[str, list[SimRequest]], rounds: int = 1
                ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[StepSample]],
                           tuple[float, float]]:
-    """Every workload through one engine of `policy`: client rows, step samples, hops."""
+    """Every workload through one engine of `policy`, `rounds` times over (the same arrivals
+    each round): client rows pooled over the rounds, step samples, hops."""
     llm = LLM("small", device="cpu", **engine_kwargs(policy))
     cfg = ModelConfig.from_name("small") if llm.model is None else llm.model.cfg
     try:
@@ -229,9 +231,11 @@ def run_policy(policy: str, streams: dict[str, list[SimRequest]]
         hop_s, handoff_s = measure_hop_s(llm, seen, cfg.vocab_size)
         seen.clear()
         del llm.engine.steps[:]
-        rows = {}
-        for name, reqs in streams.items():
-            rows[name] = drive(llm, reqs, prompts_for(reqs, cfg.vocab_size))
+        rows: dict[str, list[dict[str, float]]] = {name: [] for name in streams}
+        for _ in range(rounds):  # workloads interleave: a slow spell of the machine is shared
+            for name, reqs in streams.items():
+                rows[name] += drive(llm, reqs, prompts_for(reqs, cfg.vocab_size))
+        for name in streams:
             print(f"  {policy:13s} {name:7s} measured: TTFT p50 {p50(rows[name], 'ttft_s'):.4f}"
                   f" s, TPOT p50 {p50(rows[name], 'tpot_s'):.4f} s", flush=True)
         if policy == "disaggregated":
@@ -247,6 +251,8 @@ def run_policy(policy: str, streams: dict[str, list[SimRequest]]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=80, help="requests per workload")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="replays of every workload, interleaved (measured rows pooled)")
     ap.add_argument("--quick", action="store_true", help="CI: 2 workloads x mixed, chunked")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                     help="policies to run (all by default)")
@@ -262,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     table, fits = [], {}
     hw = calibrate(quick=True)
     for policy in policies:
-        rows, samples, hops = run_policy(policy, streams)
+        rows, samples, hops = run_policy(policy, streams, 1 if args.quick else args.rounds)
         effs = {k: fit_efficiency(cfg, hw, v, source=f"fit to {len(v)} {k} steps")
                 for k, v in samples.items()}
         fits[policy] = {**{k: e.to_dict() for k, e in effs.items()}, "hop_s": hops[0],
                         "handoff_s": hops[1]}
         for name, reqs in streams.items():
             sim = simulated(policy, cfg, reqs, effs, hops)
-            row = {"workload": name, "policy": policy, "requests": len(reqs)}
+            row = {"workload": name, "policy": policy, "requests": len(rows[name])}
             for key in ("ttft_s", "tpot_s"):
                 real, pred = p50(rows[name], key), p50(sim, key)
                 row[f"measured_{key}_p50"], row[f"simulated_{key}_p50"] = real, pred
