@@ -6,6 +6,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from splitphase.audit.flops import param_count, prefill_flops
+from splitphase.kernels import build
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
@@ -16,7 +17,9 @@ def test_prefill_flops_match_flop_counter(name):
     model = Transformer(cfg).eval()
     n = 64
     ids = torch.randint(0, cfg.vocab_size, (1, n))
-    # The counter sees SDPA only through the math backend; it counts full N^2 attention.
+    build.status()  # native ops (and their FLOP formulas) in place before the counter copies them
+    # The counter sees SDPA only through the math backend; it counts full N^2 attention, and the
+    # native prefill attention the same way.
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
         model(ids)
     expected = prefill_flops(cfg, n, logits_positions=n, causal_attention=False)

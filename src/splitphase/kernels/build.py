@@ -85,6 +85,7 @@ def _try_load() -> KernelStatus:
     if not enabled():
         return KernelStatus(False, "disabled by SPLITPHASE_KERNELS=0")
     if hasattr(torch.ops.splitphase, "silu_mul"):
+        _on_load()
         return KernelStatus(True, "already registered")
     try:
         from torch.utils import cpp_extension
@@ -100,7 +101,15 @@ def _try_load() -> KernelStatus:
             _compile_and_load(cpp_extension, path)
     except Exception as exc:  # no compiler, no headers, a failed link: torch fallback
         return KernelStatus(False, f"build failed: {type(exc).__name__}: {str(exc)[:300]}")
+    _on_load()
     return KernelStatus(True, f"built in {build_dir() / source_digest()}")
+
+
+def _on_load() -> None:
+    """What needs the ops registered: FLOP formulas for torch's counter."""
+    from splitphase.kernels import prefill_attention  # it imports this module
+
+    prefill_attention.register_flops()
 
 
 def _compile_and_load(cpp_extension: Any, path: Path) -> None:
