@@ -9,10 +9,12 @@ builds ahead of time (`make kernels`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,15 @@ class Switch:
     """A process-wide on/off for one native path (benchmarks measure its effect)."""
 
     on: bool = True
+
+    @contextlib.contextmanager
+    def switched(self, on: bool) -> Iterator[None]:
+        """On (or off) inside the block, as it was after it."""
+        before, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = before
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,15 +42,9 @@ def set_enabled(on: bool) -> None:
     _SWITCH.on = on
 
 
-@contextlib.contextmanager
-def switched(on: bool) -> Iterator[None]:
+def switched(on: bool) -> contextlib.AbstractContextManager[None]:
     """Packed prefill linears on (or off) inside the block, as they were after it."""
-    before = _SWITCH.on
-    _SWITCH.on = on
-    try:
-        yield
-    finally:
-        _SWITCH.on = before
+    return _SWITCH.switched(on)
 
 
 def is_enabled() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +29,9 @@ def set_enabled(on: bool) -> None:
     _SWITCH.on = on
 
 
-@contextlib.contextmanager
-def switched(on: bool) -> Iterator[None]:
+def switched(on: bool) -> contextlib.AbstractContextManager[None]:
     """Native prefill attention on (or off) inside the block, as it was after it."""
-    before = _SWITCH.on
-    _SWITCH.on = on
-    try:
-        yield
-    finally:
-        _SWITCH.on = before
+    return _SWITCH.switched(on)
 
 
 def is_enabled() -> bool:
