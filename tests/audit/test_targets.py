@@ -13,6 +13,7 @@ from splitphase.audit.fake_server import FakeOpenAIServer, FakeTiming
 from splitphase.audit.probes import (
     ProbePlan,
     PromptMaker,
+    interference_requests,
     load_workload,
     plan_for,
     run_probe,
@@ -225,3 +226,19 @@ def test_default_plan_scales_with_context() -> None:
     quick = plan_for(1024, quick=True)
     assert len(quick.prompt_lens) == 3 and max(quick.prompt_lens) + quick.output_tokens <= 1024
     assert max(plan_for(131072).prompt_lens) == 4096
+
+
+def test_interference_injects_land_inside_streams_capped_by_the_context() -> None:
+    # A sweep of a fast engine with one slow first token (a busy machine): the streams are
+    # capped by the context, so the long prompts must come early enough to overlap them.
+    plan = plan_for(256, quick=True)
+    short, long_ = min(plan.prompt_lens), max(plan.prompt_lens)
+    sweep = [RequestTrace(short, 9, 0.0, ttft, [ttft + 0.001 * i for i in range(9)], ttft + 0.008)
+             for ttft in (0.05, 0.05, 0.05, 2.0)]
+    sweep.append(RequestTrace(long_, 9, 0.0, 0.1, [0.1 + 0.001 * i for i in range(9)], 0.108))
+    reqs = interference_requests(plan, PromptMaker(_codec()), sweep, 256)
+    streams = [r for r in reqs if r.role == "stream"]
+    injects = [r for r in reqs if r.role == "inject"]
+    life_s = streams[0].output_tokens * 0.001  # the sweep's inter-token latency
+    assert streams[0].output_tokens == 256 - short - 1  # capped by the context
+    assert len(injects) == 2 and all(0 < r.start_offset_s <= 2 * life_s / 3 for r in injects)

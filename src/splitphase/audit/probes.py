@@ -183,22 +183,28 @@ def interference_requests(
     longest = max((t.prompt_tokens for t in ok), default=0)
     ttft_long = statistics.median([t.ttft_s or 0.0 for t in ok if t.prompt_tokens == longest])
     shortest = min((t.prompt_tokens for t in ok), default=0)
-    ttft_short = max([t.ttft_s or 0.0 for t in ok if t.prompt_tokens == shortest] or [0.0])
+    # The median: one slow first token in the sweep (a busy machine) must not push the long
+    # prompts past the streams' end.
+    ttft_short = statistics.median([t.ttft_s or 0.0 for t in ok if t.prompt_tokens == shortest]
+                                   or [0.0])
     n_streams = min(4, max(plan.concurrency_levels))
     # The streams are well into decode by then, even on a server whose TTFT dwarfs its ITL
     # (a big remote model, or one that prefills the streams one after another).
     offset_s = n_streams * ttft_short + 10 * itl
-    n_inject = 2
-    span_s = offset_s + n_inject * 1.5 * ttft_long + 10 * itl
+    n_inject, gap_s = 2, 1.5 * ttft_long
+    span_s = offset_s + n_inject * gap_s + 10 * itl
     room = max(2, max_seq_len - short - 1)
     stream_tokens = max(32, min(room, 1024, math.ceil(span_s / max(itl, 1e-4))))
+    life_s = stream_tokens * itl
+    if span_s > life_s:  # the context caps the streams: inject within their first two thirds
+        offset_s, gap_s = min(offset_s, life_s / 3), min(gap_s, life_s / 6)
     reqs = []
     for _ in range(n_streams):
         ids, text = maker.make(short)
         reqs.append(ProbeRequest(ids, text, stream_tokens, "interference", 0, "stream"))
     for i in range(n_inject):
         ids, text = maker.make(long_)
-        start = offset_s + i * 1.5 * ttft_long
+        start = offset_s + i * gap_s
         reqs.append(ProbeRequest(ids, text, 2, "interference", 0, "inject", start))
     return [replace(r, concurrency=len(reqs)) for r in reqs]
 
