@@ -35,12 +35,12 @@ using splitphase_simd::reduce4;
 
 // out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
 // at once (more misses in flight than one row at a time), x loaded once for all four.
-template <typename W>
-inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+template <typename W, typename X>
+inline void dot_4rows1(const W* w, const X* x, int64_t k, float* out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    __m512 xv = _mm512_loadu_ps(x + i);
+    __m512 xv = load16(x + i);
     a0 = _mm512_fmadd_ps(load16(w + i), xv, a0);
     a1 = _mm512_fmadd_ps(load16(w + k + i), xv, a1);
     a2 = _mm512_fmadd_ps(load16(w + 2 * k + i), xv, a2);
@@ -59,16 +59,16 @@ inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
 // acc[b] = dot(w, x[b]) for b < nb (nb <= 4), x rows fp32 with stride k. Every path sums a
 // (row, x-row) dot in the same order (one 16-lane accumulator, then the tail), so a row's
 // result does not depend on how many rows share the call: batch-invariant decode.
-template <typename W>
-inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+template <typename W, typename X>
+inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     __m512 wv = load16(w + i);
-    a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), a0);
-    if (nb > 1) a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k + i), a1);
-    if (nb > 2) a2 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 2 * k + i), a2);
-    if (nb > 3) a3 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 3 * k + i), a3);
+    a0 = _mm512_fmadd_ps(wv, load16(x + i), a0);
+    if (nb > 1) a1 = _mm512_fmadd_ps(wv, load16(x + k + i), a1);
+    if (nb > 2) a2 = _mm512_fmadd_ps(wv, load16(x + 2 * k + i), a2);
+    if (nb > 3) a3 = _mm512_fmadd_ps(wv, load16(x + 3 * k + i), a3);
   }
   if (i < k) {
     __m512 wv = load_tail(w + i, k - i);
@@ -82,41 +82,56 @@ inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out)
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
 #if defined(__AVX512BF16__)
-// bf16 weights: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32 sums), half
-// the instructions of widening to fp32, so the bf16 stream stays memory-bound. x holds values
-// that were bf16 already (a bf16 model's activations), so narrowing it back is exact.
-inline __m512bh x_pairs(const float* x, int64_t n) {  // x[0..n) as 32 bf16 lanes, n <= 32
-  __m512 lo = n >= 16 ? _mm512_loadu_ps(x) : splitphase_simd::load_tail(x, n);
-  __m512 hi = n >= 32 ? _mm512_loadu_ps(x + 16)
-                      : (n > 16 ? splitphase_simd::load_tail(x + 16, n - 16) : _mm512_setzero_ps());
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-inline __m512bh w_pairs(const c10::BFloat16* w, int64_t n) {
-  __m512i raw = n >= 32 ? _mm512_loadu_si512(w)
-                        : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), w);
-  return (__m512bh)raw;
+// bf16 weights and bf16 x: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32
+// sums), so a weight byte costs a fraction of an instruction and the stream stays
+// memory-bound. x is read as the bf16 it is (no widening to fp32 and narrowing back per
+// weight row): a step is one x load and one VDPBF16PS per weight row.
+inline __mmask32 pair_mask(int64_t n) { return static_cast<__mmask32>((1ull << n) - 1); }
+inline __m512bh pairs(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh pairs_tail(const c10::BFloat16* p, int64_t n) {  // n < 32, zeros after
+  return (__m512bh)_mm512_maskz_loadu_epi16(pair_mask(n), p);
 }
 
-inline void dot_4rows1(const c10::BFloat16* w, const float* x, int64_t k, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < k; i += 32) {
-    int64_t n = std::min<int64_t>(32, k - i);
-    __m512bh xv = x_pairs(x + i, n);
-    a0 = _mm512_dpbf16_ps(a0, w_pairs(w + i, n), xv);
-    a1 = _mm512_dpbf16_ps(a1, w_pairs(w + k + i, n), xv);
-    a2 = _mm512_dpbf16_ps(a2, w_pairs(w + 2 * k + i, n), xv);
-    a3 = _mm512_dpbf16_ps(a3, w_pairs(w + 3 * k + i, n), xv);
-  }
-  reduce4(a0, a1, a2, a3, out);
-}
+// Software prefetch this far ahead in each of the four weight-row streams: measured 4-7%
+// faster than the hardware prefetcher alone on bf16 rows of 768 (256 to 1024 bytes tried;
+// eight rows a group instead of four was no faster).
+constexpr int kPrefetchBytes = 512;
 
-inline void dot_rows4(const c10::BFloat16* w, const float* x, int64_t k, int nb, float* out) {
+// out[r] = dot(w[r], x) for four consecutive weight rows: four streams in flight, x loaded
+// once for all. Each row sums 32-lane steps in k order, then the tail, then reduce4: the
+// order of dot_rows4, so a row's result does not depend on the grouping (batch-invariant).
+inline void dot_4rows1(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, float* out) {
   __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                  _mm512_setzero_ps()};
-  for (int64_t i = 0; i < k; i += 32) {  // same per-row order as dot_4rows1: batch-invariant
-    int64_t n = std::min<int64_t>(32, k - i);
-    __m512bh wv = w_pairs(w + i, n);
-    for (int b = 0; b < nb; ++b) a[b] = _mm512_dpbf16_ps(a[b], wv, x_pairs(x + b * k + i, n));
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m512bh xv = pairs(x + i);
+    for (int r = 0; r < 4; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + kPrefetchBytes, _MM_HINT_T0);
+      a[r] = _mm512_dpbf16_ps(a[r], pairs(w + r * k + i), xv);
+    }
+  }
+  if (i < k) {
+    __m512bh xv = pairs_tail(x + i, k - i);
+    for (int r = 0; r < 4; ++r)
+      a[r] = _mm512_dpbf16_ps(a[r], pairs_tail(w + r * k + i, k - i), xv);
+  }
+  reduce4(a[0], a[1], a[2], a[3], out);
+}
+
+inline void dot_rows4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, int nb,
+                      float* out) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m512bh wv = pairs(w + i);
+    for (int b = 0; b < nb; ++b) a[b] = _mm512_dpbf16_ps(a[b], wv, pairs(x + b * k + i));
+  }
+  if (i < k) {
+    __m512bh wv = pairs_tail(w + i, k - i);
+    for (int b = 0; b < nb; ++b)
+      a[b] = _mm512_dpbf16_ps(a[b], wv, pairs_tail(x + b * k + i, k - i));
   }
   float s[4];
   reduce4(a[0], a[1], a[2], a[3], s);
@@ -124,28 +139,30 @@ inline void dot_rows4(const c10::BFloat16* w, const float* x, int64_t k, int nb,
 }
 #endif
 #else
-template <typename W>
-inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+template <typename W, typename X>
+inline void dot_4rows1(const W* w, const X* x, int64_t k, float* out) {
   for (int r = 0; r < 4; ++r) {
     float s = 0.f;
-    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[r * k + i]) * x[i];
+    for (int64_t i = 0; i < k; ++i)
+      s += static_cast<float>(w[r * k + i]) * static_cast<float>(x[i]);
     out[r] = s;
   }
 }
 
-template <typename W>
-inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+template <typename W, typename X>
+inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   for (int b = 0; b < nb; ++b) {
     float s = 0.f;
-    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[i]) * x[b * k + i];
+    for (int64_t i = 0; i < k; ++i)
+      s += static_cast<float>(w[i]) * static_cast<float>(x[b * k + i]);
     out[b] = s;
   }
 }
 #endif
 
 // out[b] = dot(w, x[b]) for all b < nb (any nb <= kMaxRows).
-template <typename W>
-inline void dot_rows(const W* w, const float* x, int64_t k, int nb, float* out) {
+template <typename W, typename X>
+inline void dot_rows(const W* w, const X* x, int64_t k, int nb, float* out) {
   for (int b = 0; b < nb; b += 4) dot_rows4(w, x + b * k, k, std::min(4, nb - b), out + b);
 }
 
@@ -159,8 +176,9 @@ void check_inputs(const at::Tensor& x, at::TensorList ws) {
   }
 }
 
+// x is read in its own dtype (T): a bf16 x needs no fp32 copy, every kernel widens it exactly.
 template <typename T>
-void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
+void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
   std::vector<int64_t> start(ws.size() + 1, 0);
   std::vector<const T*> wp(ws.size());
   std::vector<T*> yp(ws.size());
@@ -177,12 +195,12 @@ void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vec
       while (n >= start[j + 1]) ++j;
       int64_t row = n - start[j], width = start[j + 1] - start[j];
       if (nb == 1 && n + 4 <= end && n + 4 <= start[j + 1]) {  // four rows, one x
-        dot_4rows1(wp[j] + row * k, xf, k, acc);
+        dot_4rows1(wp[j] + row * k, x, k, acc);
         for (int r = 0; r < 4; ++r) yp[j][row + r] = static_cast<T>(acc[r]);
         n += 3;
         continue;
       }
-      dot_rows(wp[j] + row * k, xf, k, nb, acc);
+      dot_rows(wp[j] + row * k, x, k, nb, acc);
       for (int b = 0; b < nb; ++b) yp[j][b * width + row] = static_cast<T>(acc[b]);
     }
   });
@@ -197,12 +215,12 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
   check_inputs(x, ws);
   std::vector<at::Tensor> ys;
   for (const auto& w : ws) ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
-  auto xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  auto xc = x.contiguous();
   int nb = static_cast<int>(x.size(0));
   if (x.scalar_type() == at::kFloat) {
-    linear_impl<float>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+    linear_impl<float>(xc.data_ptr<float>(), nb, x.size(1), ws, ys);
   } else if (x.scalar_type() == at::kBFloat16) {
-    linear_impl<c10::BFloat16>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+    linear_impl<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), nb, x.size(1), ws, ys);
   } else {
     TORCH_CHECK(false, "skinny_linear supports float32 and bfloat16");
   }
