@@ -33,25 +33,25 @@ using splitphase_simd::load16;
 using splitphase_simd::load_tail;
 using splitphase_simd::reduce4;
 
-// out[r] = dot(w[r], x) for four consecutive weight rows and one x row: four memory streams
-// at once (more misses in flight than one row at a time), x loaded once for all four.
-template <typename W>
-inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+// out[r] = dot(w + r * stride, x) for four weight rows and one x row: four memory streams at
+// once (more misses in flight than one row at a time), x loaded once for all four.
+template <typename W, typename X>
+inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float* out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    __m512 xv = _mm512_loadu_ps(x + i);
+    __m512 xv = load16(x + i);
     a0 = _mm512_fmadd_ps(load16(w + i), xv, a0);
-    a1 = _mm512_fmadd_ps(load16(w + k + i), xv, a1);
-    a2 = _mm512_fmadd_ps(load16(w + 2 * k + i), xv, a2);
-    a3 = _mm512_fmadd_ps(load16(w + 3 * k + i), xv, a3);
+    a1 = _mm512_fmadd_ps(load16(w + stride + i), xv, a1);
+    a2 = _mm512_fmadd_ps(load16(w + 2 * stride + i), xv, a2);
+    a3 = _mm512_fmadd_ps(load16(w + 3 * stride + i), xv, a3);
   }
   if (i < k) {
     __m512 xv = load_tail(x + i, k - i);
     a0 = _mm512_fmadd_ps(load_tail(w + i, k - i), xv, a0);
-    a1 = _mm512_fmadd_ps(load_tail(w + k + i, k - i), xv, a1);
-    a2 = _mm512_fmadd_ps(load_tail(w + 2 * k + i, k - i), xv, a2);
-    a3 = _mm512_fmadd_ps(load_tail(w + 3 * k + i, k - i), xv, a3);
+    a1 = _mm512_fmadd_ps(load_tail(w + stride + i, k - i), xv, a1);
+    a2 = _mm512_fmadd_ps(load_tail(w + 2 * stride + i, k - i), xv, a2);
+    a3 = _mm512_fmadd_ps(load_tail(w + 3 * stride + i, k - i), xv, a3);
   }
   reduce4(a0, a1, a2, a3, out);
 }
@@ -59,16 +59,16 @@ inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
 // acc[b] = dot(w, x[b]) for b < nb (nb <= 4), x rows fp32 with stride k. Every path sums a
 // (row, x-row) dot in the same order (one 16-lane accumulator, then the tail), so a row's
 // result does not depend on how many rows share the call: batch-invariant decode.
-template <typename W>
-inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+template <typename W, typename X>
+inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     __m512 wv = load16(w + i);
-    a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), a0);
-    if (nb > 1) a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k + i), a1);
-    if (nb > 2) a2 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 2 * k + i), a2);
-    if (nb > 3) a3 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + 3 * k + i), a3);
+    a0 = _mm512_fmadd_ps(wv, load16(x + i), a0);
+    if (nb > 1) a1 = _mm512_fmadd_ps(wv, load16(x + k + i), a1);
+    if (nb > 2) a2 = _mm512_fmadd_ps(wv, load16(x + 2 * k + i), a2);
+    if (nb > 3) a3 = _mm512_fmadd_ps(wv, load16(x + 3 * k + i), a3);
   }
   if (i < k) {
     __m512 wv = load_tail(w + i, k - i);
@@ -82,41 +82,57 @@ inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out)
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
 #if defined(__AVX512BF16__)
-// bf16 weights: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32 sums), half
-// the instructions of widening to fp32, so the bf16 stream stays memory-bound. x holds values
-// that were bf16 already (a bf16 model's activations), so narrowing it back is exact.
-inline __m512bh x_pairs(const float* x, int64_t n) {  // x[0..n) as 32 bf16 lanes, n <= 32
-  __m512 lo = n >= 16 ? _mm512_loadu_ps(x) : splitphase_simd::load_tail(x, n);
-  __m512 hi = n >= 32 ? _mm512_loadu_ps(x + 16)
-                      : (n > 16 ? splitphase_simd::load_tail(x + 16, n - 16) : _mm512_setzero_ps());
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-inline __m512bh w_pairs(const c10::BFloat16* w, int64_t n) {
-  __m512i raw = n >= 32 ? _mm512_loadu_si512(w)
-                        : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), w);
-  return (__m512bh)raw;
+// bf16 weights and bf16 x: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32
+// sums), so a weight byte costs a fraction of an instruction and the stream stays
+// memory-bound. x is read as the bf16 it is (no widening to fp32 and narrowing back per
+// weight row): a step is one x load and one VDPBF16PS per weight row.
+inline __mmask32 pair_mask(int64_t n) { return static_cast<__mmask32>((1ull << n) - 1); }
+inline __m512bh pairs(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh pairs_tail(const c10::BFloat16* p, int64_t n) {  // n < 32, zeros after
+  return (__m512bh)_mm512_maskz_loadu_epi16(pair_mask(n), p);
 }
 
-inline void dot_4rows1(const c10::BFloat16* w, const float* x, int64_t k, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < k; i += 32) {
-    int64_t n = std::min<int64_t>(32, k - i);
-    __m512bh xv = x_pairs(x + i, n);
-    a0 = _mm512_dpbf16_ps(a0, w_pairs(w + i, n), xv);
-    a1 = _mm512_dpbf16_ps(a1, w_pairs(w + k + i, n), xv);
-    a2 = _mm512_dpbf16_ps(a2, w_pairs(w + 2 * k + i, n), xv);
-    a3 = _mm512_dpbf16_ps(a3, w_pairs(w + 3 * k + i, n), xv);
-  }
-  reduce4(a0, a1, a2, a3, out);
-}
+// Software prefetch this far ahead in each of the four weight streams: measured 4-7% faster
+// than the hardware prefetcher alone on bf16 rows of 768 (256 to 1024 bytes tried; eight
+// rows a group instead of four was no faster).
+constexpr int kPrefetchBytes = 512;
 
-inline void dot_rows4(const c10::BFloat16* w, const float* x, int64_t k, int nb, float* out) {
+// out[r] = dot(w + r * stride, x) for four weight rows: four streams in flight, x loaded
+// once for all. Each row sums 32-lane steps in k order, then the tail, then reduce4: the
+// order of dot_rows4, so a row's result does not depend on the grouping (batch-invariant).
+inline void dot_4rows1(const c10::BFloat16* w, int64_t stride, const c10::BFloat16* x, int64_t k,
+                       float* out) {
   __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                  _mm512_setzero_ps()};
-  for (int64_t i = 0; i < k; i += 32) {  // same per-row order as dot_4rows1: batch-invariant
-    int64_t n = std::min<int64_t>(32, k - i);
-    __m512bh wv = w_pairs(w + i, n);
-    for (int b = 0; b < nb; ++b) a[b] = _mm512_dpbf16_ps(a[b], wv, x_pairs(x + b * k + i, n));
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m512bh xv = pairs(x + i);
+    for (int r = 0; r < 4; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + kPrefetchBytes, _MM_HINT_T0);
+      a[r] = _mm512_dpbf16_ps(a[r], pairs(w + r * stride + i), xv);
+    }
+  }
+  if (i < k) {
+    __m512bh xv = pairs_tail(x + i, k - i);
+    for (int r = 0; r < 4; ++r)
+      a[r] = _mm512_dpbf16_ps(a[r], pairs_tail(w + r * stride + i, k - i), xv);
+  }
+  reduce4(a[0], a[1], a[2], a[3], out);
+}
+
+inline void dot_rows4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, int nb,
+                      float* out) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m512bh wv = pairs(w + i);
+    for (int b = 0; b < nb; ++b) a[b] = _mm512_dpbf16_ps(a[b], wv, pairs(x + b * k + i));
+  }
+  if (i < k) {
+    __m512bh wv = pairs_tail(w + i, k - i);
+    for (int b = 0; b < nb; ++b)
+      a[b] = _mm512_dpbf16_ps(a[b], wv, pairs_tail(x + b * k + i, k - i));
   }
   float s[4];
   reduce4(a[0], a[1], a[2], a[3], s);
@@ -124,28 +140,30 @@ inline void dot_rows4(const c10::BFloat16* w, const float* x, int64_t k, int nb,
 }
 #endif
 #else
-template <typename W>
-inline void dot_4rows1(const W* w, const float* x, int64_t k, float* out) {
+template <typename W, typename X>
+inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float* out) {
   for (int r = 0; r < 4; ++r) {
     float s = 0.f;
-    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[r * k + i]) * x[i];
+    for (int64_t i = 0; i < k; ++i)
+      s += static_cast<float>(w[r * stride + i]) * static_cast<float>(x[i]);
     out[r] = s;
   }
 }
 
-template <typename W>
-inline void dot_rows4(const W* w, const float* x, int64_t k, int nb, float* out) {
+template <typename W, typename X>
+inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   for (int b = 0; b < nb; ++b) {
     float s = 0.f;
-    for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[i]) * x[b * k + i];
+    for (int64_t i = 0; i < k; ++i)
+      s += static_cast<float>(w[i]) * static_cast<float>(x[b * k + i]);
     out[b] = s;
   }
 }
 #endif
 
 // out[b] = dot(w, x[b]) for all b < nb (any nb <= kMaxRows).
-template <typename W>
-inline void dot_rows(const W* w, const float* x, int64_t k, int nb, float* out) {
+template <typename W, typename X>
+inline void dot_rows(const W* w, const X* x, int64_t k, int nb, float* out) {
   for (int b = 0; b < nb; b += 4) dot_rows4(w, x + b * k, k, std::min(4, nb - b), out + b);
 }
 
@@ -159,8 +177,28 @@ void check_inputs(const at::Tensor& x, at::TensorList ws) {
   }
 }
 
+// y[lo..hi) = w[lo..hi) x for one x row. The rows are split into four equal runs read side
+// by side (four streams in flight, x loaded once for all four), each run walking its rows in
+// memory order: four long sequential streams, where four adjacent rows at a time made a new
+// short stream every group (24 cache lines a bf16 row of 768), paying the prefetchers'
+// ramp-up again each time. A row's sum does not depend on which path takes it.
 template <typename T>
-void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
+void rows1(const T* w, const T* x, int64_t k, int64_t lo, int64_t hi, T* y) {
+  const int64_t run = (hi - lo) / 4;
+  float acc[4];
+  for (int64_t i = 0; i < run; ++i) {
+    dot_4rows1(w + (lo + i) * k, run * k, x, k, acc);
+    for (int r = 0; r < 4; ++r) y[lo + r * run + i] = static_cast<T>(acc[r]);
+  }
+  for (int64_t n = lo + 4 * run; n < hi; ++n) {
+    dot_rows(w + n * k, x, k, 1, acc);
+    y[n] = static_cast<T>(acc[0]);
+  }
+}
+
+// x is read in its own dtype (T): a bf16 x needs no fp32 copy, every kernel widens it exactly.
+template <typename T>
+void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
   std::vector<int64_t> start(ws.size() + 1, 0);
   std::vector<const T*> wp(ws.size());
   std::vector<T*> yp(ws.size());
@@ -171,18 +209,19 @@ void linear_impl(const float* xf, int nb, int64_t k, at::TensorList ws, std::vec
   }
   // One parallel range over the rows of all weights: each thread streams its share.
   splitphase_pool::parallel_chunks(start.back(), kGrainRows, [&](int64_t begin, int64_t end) {
-    size_t j = 0;
+    if (nb == 1) {
+      for (size_t j = 0; j < ws.size(); ++j) {  // the part of the chunk in each weight
+        int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
+        if (lo < hi) rows1(wp[j], x, k, lo - start[j], hi - start[j], yp[j]);
+      }
+      return;
+    }
     float acc[kMaxRows];
+    size_t j = 0;
     for (int64_t n = begin; n < end; ++n) {
       while (n >= start[j + 1]) ++j;
       int64_t row = n - start[j], width = start[j + 1] - start[j];
-      if (nb == 1 && n + 4 <= end && n + 4 <= start[j + 1]) {  // four rows, one x
-        dot_4rows1(wp[j] + row * k, xf, k, acc);
-        for (int r = 0; r < 4; ++r) yp[j][row + r] = static_cast<T>(acc[r]);
-        n += 3;
-        continue;
-      }
-      dot_rows(wp[j] + row * k, xf, k, nb, acc);
+      dot_rows(wp[j] + row * k, x, k, nb, acc);
       for (int b = 0; b < nb; ++b) yp[j][b * width + row] = static_cast<T>(acc[b]);
     }
   });
@@ -197,12 +236,12 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
   check_inputs(x, ws);
   std::vector<at::Tensor> ys;
   for (const auto& w : ws) ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
-  auto xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  auto xc = x.contiguous();
   int nb = static_cast<int>(x.size(0));
   if (x.scalar_type() == at::kFloat) {
-    linear_impl<float>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+    linear_impl<float>(xc.data_ptr<float>(), nb, x.size(1), ws, ys);
   } else if (x.scalar_type() == at::kBFloat16) {
-    linear_impl<c10::BFloat16>(xf.data_ptr<float>(), nb, x.size(1), ws, ys);
+    linear_impl<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), nb, x.size(1), ws, ys);
   } else {
     TORCH_CHECK(false, "skinny_linear supports float32 and bfloat16");
   }
