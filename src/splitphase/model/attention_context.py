@@ -67,11 +67,10 @@ def attend_prefix(
         return attn.attend_causal(q, k, v)
     q_len, kv_len = q.shape[1], k.shape[1]
     mask = None if q_len == 1 else causal_mask(q_len, kv_len, q.device)  # (Tq, S)
-    if self_kv is not None:
-        k, v = torch.cat([k, self_kv[0]], 1), torch.cat([v, self_kv[1]], 1)  # (B, S+Tq, G, D)
-        if mask is not None:  # query i sees its own extra key i only
-            own = torch.eye(q_len, dtype=torch.bool, device=q.device)  # (Tq, Tq)
-            mask = torch.cat([mask, own], -1)  # (Tq, S+Tq)
+    k, v = torch.cat([k, self_kv[0]], 1), torch.cat([v, self_kv[1]], 1)  # (B, S+Tq, G, D)
+    if mask is not None:  # query i sees its own extra key i only
+        own = torch.eye(q_len, dtype=torch.bool, device=q.device)  # (Tq, Tq)
+        mask = torch.cat([mask, own], -1)  # (Tq, S+Tq)
     return attn.attend(q, k, v, mask=mask, causal=False)
 
 
