@@ -23,7 +23,7 @@ def kernel_off():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 23, 48])
 @pytest.mark.parametrize("in_features", [64, 100, 768])
 def test_fp32_matches_torch_linear(rows: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -51,13 +51,21 @@ def test_bf16_within_one_rounding_of_torch(rows: int) -> None:
 
 
 @needs_kernel
-def test_row_results_do_not_depend_on_row_count() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_results_do_not_depend_on_row_count(dtype: torch.dtype) -> None:
+    """Batch-invariant decode: a row's result is the same whether it is alone, in a tile of
+    four, or in a batch the tiles do not divide (fp32 up to its 48-row limit)."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 96, generator=g), torch.randn(50, 96, generator=g)
+    rows = skinny.MAX_ROWS[dtype]
+    x = torch.randn(rows, 100, generator=g).to(dtype)
+    ws = [torch.randn(n, 100, generator=g).to(dtype) for n in (50, 7)]
     with torch.inference_mode():
-        full = skinny.linear(x, w)
-        for n in range(1, 7):
-            assert torch.equal(skinny.linear(x[:n], w), full[:n])
+        full = torch.ops.splitphase.skinny_linear(x, ws)
+        for n in range(1, rows):
+            for y, f in zip(torch.ops.splitphase.skinny_linear(x[:n], ws), full, strict=True):
+                assert torch.equal(y, f[:n])
+            for y, f in zip(torch.ops.splitphase.skinny_linear(x[n:], ws), full, strict=True):
+                assert torch.equal(y, f[n:])
 
 
 @needs_kernel
@@ -73,7 +81,7 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
     w = torch.randn(8, 32)
     with torch.inference_mode():
         skinny.linear(torch.randn(1, 3, 32), w)
-        skinny.linear(torch.randn(17, 32), w)  # above the fp32 limit: torch
+        skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32] + 1, 32), w)  # above: torch
         skinny.linear(torch.randn(4, 32).bfloat16(), w.bfloat16())  # above the bf16 limit
         skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
     assert calls == [3]

@@ -181,7 +181,7 @@ void decode_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v,
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ln = lengths.data_ptr<int64_t>();
   float* out = outf.data_ptr<float>();
-  splitphase_pool::parallel_chunks(b * n_kv, 1, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(b * n_kv, 1, b, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       int64_t row = job / n_kv, g = job % n_kv;
       int64_t off = (row * h + g * group) * d;

@@ -35,7 +35,7 @@ inline void rms_row(const T* xr, const T* w, T* yr, int64_t d, float eps) {
 
 template <typename T>
 void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) {
-  splitphase_pool::parallel_chunks(rows, 8, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(rows, 8, rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_row(x + r * d, w, y + r * d, d, eps);
   });
 }
@@ -44,7 +44,7 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) 
 template <typename T>
 void add_rms_rows(const T* x, const T* r, const T* w, T* s, T* y, int64_t rows, int64_t d,
                   float eps) {
-  splitphase_pool::parallel_chunks(rows, 8, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(rows, 8, rows, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t off = row * d;
       for (int64_t i = 0; i < d; ++i) {
@@ -109,7 +109,7 @@ template <typename T>
 void rope_rows(const T* x, int64_t x_row_stride, const T* cs, const T* sn, T* y, int64_t b,
                int64_t t, int64_t h, int64_t d, bool per_batch) {
   const int64_t half = d / 2;
-  splitphase_pool::parallel_chunks(b * t, 4, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(b * t, 4, b * t, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       int64_t table = (per_batch ? bt : bt % t) * d;  // cos/sin row of this position
       for (int64_t head = 0; head < h; ++head) {

@@ -55,6 +55,13 @@ struct Shape {
 
 int64_t n_tiles(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
 
+// Query rows (tokens) of the call, all sequences: what picks the thread team (pool.h).
+int64_t query_rows(const std::vector<Seq>& seqs) {
+  int64_t rows = 0;
+  for (const auto& s : seqs) rows += static_cast<int64_t>(s.q.size());
+  return rows;
+}
+
 // Every (sequence, KV head, key tile) as a K tile (D, 64), transposed so one query row's
 // scores for 64 keys are four vectors of multiply-adds per dimension, then its V tile
 // (64, D); zeros past the sequence's last key.
@@ -105,7 +112,7 @@ PackedKV pack_kv(const std::vector<Seq>& seqs, const Shape& sh) {
       pack_tile(seqs[i], g, kt, sh.dim, pk.k_tile(i, g, kt, sh.dim), pk.v_tile(i, g, kt, sh.dim));
     }
   };
-  splitphase_pool::parallel_chunks(static_cast<int64_t>(jobs.size()), 4, pack);
+  splitphase_pool::parallel_chunks(static_cast<int64_t>(jobs.size()), 4, query_rows(seqs), pack);
   return pk;
 }
 
@@ -187,7 +194,8 @@ void attend_all(const std::vector<Seq>& seqs, const Shape& sh) {
   // triangle makes the last query tile the dearest).
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.key_tiles > b.key_tiles; });
-  splitphase_pool::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+  const int64_t rows = query_rows(seqs);
+  splitphase_pool::parallel_chunks(static_cast<int64_t>(items.size()), 1, rows, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) attend_item(seqs[items[it].seq], items[it], sh, pk);
   });
   splitphase_pool::park_helpers();  // an o_proj GEMM comes next

@@ -64,9 +64,9 @@ void silu_mul_range(const T* g, const T* u, T* y, int64_t begin, int64_t end) {
 #endif
 
 template <typename T>
-void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
+void silu_mul_impl(const T* g, const T* u, T* y, int64_t n, int64_t rows) {
   // Chunks are whole vectors (multiples of 16), so only the tensor's last vector is masked.
-  splitphase_pool::parallel_chunks((n + 15) / 16, 256, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks((n + 15) / 16, 256, rows, [&](int64_t begin, int64_t end) {
     silu_mul_range(g, u, y, begin * 16, std::min(n, end * 16));
   });
 }
@@ -79,15 +79,16 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   TORCH_CHECK(g.sizes() == u.sizes() && g.is_contiguous() && u.is_contiguous(), "same shapes");
   TORCH_CHECK(g.scalar_type() == u.scalar_type(), "same dtype");
   auto y = at::empty_like(g);
+  const int64_t rows = g.dim() > 0 ? g.numel() / std::max<int64_t>(g.size(-1), 1) : 1;
   if (g.scalar_type() == at::kFloat) {
-    silu_mul_impl(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel());
+    silu_mul_impl(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), rows);
   } else if (g.scalar_type() == at::kBFloat16) {
     silu_mul_impl(g.data_ptr<c10::BFloat16>(), u.data_ptr<c10::BFloat16>(),
-                  y.data_ptr<c10::BFloat16>(), g.numel());
+                  y.data_ptr<c10::BFloat16>(), g.numel(), rows);
   } else {
     TORCH_CHECK(false, "silu_mul supports float32 and bfloat16");
   }
-  splitphase_pool::park_after(g.dim() > 0 ? g.numel() / std::max<int64_t>(g.size(-1), 1) : 1);
+  splitphase_pool::park_after(rows);
   return y;
 }
 

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from splitphase.kernels import build, elementwise
 
-# Rows up to which the kernel beats torch, measured on the 2-core AVX-512 machine: fp32 up to
-# the kernel's limit of 16 (torch's fp32 GEMM falls to half its batch-1 rate at 8 rows); bf16
-# only for 1-2 rows (oneDNN's bf16 GEMM is level with the kernel at 4 rows and 1.5x faster at 8,
-# measured over base-125m's decode linears on a quiet machine).
-MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}
+# Rows up to which the kernel beats torch, measured on the 2-core AVX-512 machine, quiet
+# (`bench/skinny_rows.py`: base-125m's MLP linears, weights from memory): fp32 up to 48, where
+# torch's GEMM draws level (the kernel 2.3x faster at 8 rows, 1.2x at 32, 1.05x at 48, 0.95x at
+# 64; it takes up to 64); bf16 only for 1-2 rows (oneDNN's bf16 GEMM is level with the kernel
+# at 4 rows and 1.5x faster at 8).
+MAX_ROWS = {torch.float32: 48, torch.bfloat16: 2}
 
 
 _SWITCH = build.Switch()

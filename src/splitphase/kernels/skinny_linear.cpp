@@ -1,5 +1,5 @@
 // Skinny matrix products for the decode phase: y = x W^T for a few rows of x (batch-1 to
-// batch-16 decode), with W in nn.Linear's (out, in) layout. Each weight row is streamed from
+// batch-64 decode), with W in nn.Linear's (out, in) layout. Each weight row is streamed from
 // memory once per call and dotted with every row of x while it sits in L1. Output rows are
 // shared out in small chunks over all intra-op threads (pool.h), so every core pulls weight
 // bytes.
@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <type_traits>
 
 #include "ops.h"
 #include "pool.h"
@@ -25,7 +26,7 @@
 
 namespace {
 
-constexpr int kMaxRows = 16;  // rows of x handled per weight-row pass
+constexpr int kMaxRows = 64;  // rows of x a call takes (decode batch)
 constexpr int64_t kGrainRows = 16;
 
 #if SPLITPHASE_AVX512
@@ -81,6 +82,62 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   reduce4(a0, a1, a2, a3, s);
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
+// out[b][r] = dot(w + r * stride, x + b * k) for four weight rows and NB <= 4 x rows: a 4 x NB
+// tile of independent accumulators (4 * NB FMA chains keep both FMA ports busy, where one
+// weight row at a time had at most 4 dependent chains) and four weight streams in flight. Each
+// (row, x-row) pair sums in dot_rows4's order (one 16-lane accumulator in k order, the tail,
+// reduce4), so a result does not depend on how rows are grouped (batch-invariant).
+template <int NB, bool kPrefetch>
+inline void dot_4rows_tile(const float* w, int64_t stride, const float* x, int64_t k,
+                           float (*out)[4]) {
+  __m512 a[NB][4];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < 4; ++r) a[b][r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) {
+      if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + 1024, _MM_HINT_T0);
+      wv[r] = load16(w + r * stride + i);
+    }
+    for (int b = 0; b < NB; ++b) {
+      __m512 xv = load16(x + b * k + i);
+      for (int r = 0; r < 4; ++r) a[b][r] = _mm512_fmadd_ps(wv[r], xv, a[b][r]);
+    }
+  }
+  if (i < k) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = load_tail(w + r * stride + i, k - i);
+    for (int b = 0; b < NB; ++b) {
+      __m512 xv = load_tail(x + b * k + i, k - i);
+      for (int r = 0; r < 4; ++r) a[b][r] = _mm512_fmadd_ps(wv[r], xv, a[b][r]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) reduce4(a[b][0], a[b][1], a[b][2], a[b][3], out[b]);
+}
+
+// out[b][r] for all nb x rows, four at a time: the four weight rows come from L1 after the
+// first group.
+inline void dot_4rows_all(const float* w, int64_t stride, const float* x, int64_t k, int nb,
+                          float (*out)[4]) {
+  // The first group pulls the weight rows in (prefetched ahead); the others find them in L1.
+  switch (std::min(nb, 4)) {
+    case 4: dot_4rows_tile<4, true>(w, stride, x, k, out); break;
+    case 3: dot_4rows_tile<3, true>(w, stride, x, k, out); break;
+    case 2: dot_4rows_tile<2, true>(w, stride, x, k, out); break;
+    default: dot_4rows_tile<1, true>(w, stride, x, k, out); break;
+  }
+  int b = 4;
+  for (; b + 4 <= nb; b += 4) dot_4rows_tile<4, false>(w, stride, x + b * k, k, out + b);
+  switch (nb > b ? nb - b : 0) {
+    case 3: dot_4rows_tile<3, false>(w, stride, x + b * k, k, out + b); break;
+    case 2: dot_4rows_tile<2, false>(w, stride, x + b * k, k, out + b); break;
+    case 1: dot_4rows_tile<1, false>(w, stride, x + b * k, k, out + b); break;
+    default: break;
+  }
+}
+#define SPLITPHASE_FP32_TILE 1
+
 #if defined(__AVX512BF16__)
 // bf16 weights and bf16 x: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32
 // sums), so a weight byte costs a fraction of an instruction and the stream stays
@@ -168,7 +225,7 @@ inline void dot_rows(const W* w, const X* x, int64_t k, int nb, float* out) {
 }
 
 void check_inputs(const at::Tensor& x, at::TensorList ws) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "x must be (rows <= 16, in_features)");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "x must be (rows <= 64, in_features)");
   TORCH_CHECK(!ws.empty(), "at least one weight");
   for (const auto& w : ws) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "weight must be (out, in_features)");
@@ -196,6 +253,38 @@ void rows1(const T* w, const T* x, int64_t k, int64_t lo, int64_t hi, T* y) {
   }
 }
 
+// y[b * width + n] for n in [lo, hi) and every x row b < nb: one weight row at a time, each
+// dotted with all x rows while it sits in L1.
+template <typename T>
+void rows_each(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi, int64_t width,
+               T* y) {
+  float acc[kMaxRows];
+  for (int64_t n = lo; n < hi; ++n) {
+    dot_rows(w + n * k, x, k, nb, acc);
+    for (int b = 0; b < nb; ++b) y[b * width + n] = static_cast<T>(acc[b]);
+  }
+}
+
+// The same for several x rows: fp32 takes 4 x nb tiles over four runs of rows read side by side
+// (the stream layout of rows1); a row's sums are those of rows_each.
+template <typename T>
+void rows_n(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi, int64_t width,
+            T* y) {
+#if defined(SPLITPHASE_FP32_TILE)
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t run = (hi - lo) / 4;
+    float acc[kMaxRows][4];
+    for (int64_t i = 0; i < run; ++i) {
+      dot_4rows_all(w + (lo + i) * k, run * k, x, k, nb, acc);
+      for (int b = 0; b < nb; ++b)
+        for (int r = 0; r < 4; ++r) y[b * width + lo + r * run + i] = acc[b][r];
+    }
+    lo += 4 * run;
+  }
+#endif
+  rows_each(w, x, k, nb, lo, hi, width, y);
+}
+
 // x is read in its own dtype (T): a bf16 x needs no fp32 copy, every kernel widens it exactly.
 template <typename T>
 void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
@@ -208,7 +297,7 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
     yp[j] = ys[j].data_ptr<T>();
   }
   // One parallel range over the rows of all weights: each thread streams its share.
-  splitphase_pool::parallel_chunks(start.back(), kGrainRows, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(start.back(), kGrainRows, nb, [&](int64_t begin, int64_t end) {
     if (nb == 1) {
       for (size_t j = 0; j < ws.size(); ++j) {  // the part of the chunk in each weight
         int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
@@ -216,13 +305,9 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
       }
       return;
     }
-    float acc[kMaxRows];
-    size_t j = 0;
-    for (int64_t n = begin; n < end; ++n) {
-      while (n >= start[j + 1]) ++j;
-      int64_t row = n - start[j], width = start[j + 1] - start[j];
-      dot_rows(wp[j] + row * k, x, k, nb, acc);
-      for (int b = 0; b < nb; ++b) yp[j][b * width + row] = static_cast<T>(acc[b]);
+    for (size_t j = 0; j < ws.size(); ++j) {
+      int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
+      if (lo < hi) rows_n(wp[j], x, k, nb, lo - start[j], hi - start[j], ws[j].size(0), yp[j]);
     }
   });
 }

@@ -1,0 +1,93 @@
+"""The native skinny kernel against torch's linear by row count: where decode hands over.
+
+A decode step multiplies one row per sequence by every weight. This times base-125m's MLP
+linears (gate and up in one call, then down; 12 layers of distinct weights, so they come from
+memory as in a real step) through the kernel and through torch, alternating, best of
+`--repeats`, for each row count, and prints weight GB/s, GFLOP/s and torch's time over the
+kernel's. `skinny.MAX_ROWS` is the row count where the ratio falls to about 1. Nothing is
+asserted.
+
+    OMP_NUM_THREADS=2 python bench/skinny_rows.py --rows 1 4 8 16 32 48 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from splitphase.kernels import build
+from splitphase.model.config import ModelConfig
+
+
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down
+
+
+def _kernel(layers: list[Layer], x: torch.Tensor, h: torch.Tensor) -> None:
+    for gate, up, down in layers:
+        torch.ops.splitphase.skinny_linear(x, [gate, up])
+        torch.ops.splitphase.skinny_linear(h, [down])
+
+
+def _torch(layers: list[Layer], x: torch.Tensor, h: torch.Tensor) -> None:
+    for gate, up, down in layers:
+        F.linear(x, gate), F.linear(x, up), F.linear(h, down)
+
+
+def _row(layers: list[Layer], rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Best seconds of the kernel and of torch at `rows`, alternating three times."""
+    x = torch.randn(rows, layers[0][0].shape[1]).to(dtype)
+    h = torch.randn(rows, layers[0][2].shape[1]).to(dtype)
+    times = {"kernel": float("inf"), "torch": float("inf")}
+    with torch.inference_mode():
+        for _ in range(3):  # a busy spell hits both
+            for name, fn in (("kernel", _kernel), ("torch", _torch)):
+                times[name] = min(times[name], _best_s(partial(fn, layers, x, h), repeats // 3 + 1))
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="base-125m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    if not build.available():
+        raise SystemExit(f"native kernels unavailable: {build.status().reason}")
+    cfg = ModelConfig.from_name(args.preset)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    layers = [
+        (torch.randn(cfg.d_ff, cfg.d_model).to(dtype), torch.randn(cfg.d_ff, cfg.d_model).to(dtype),
+         torch.randn(cfg.d_model, cfg.d_ff).to(dtype))
+        for _ in range(cfg.n_layers)
+    ]
+    weight_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
+    weights = weight_bytes / torch.empty(0, dtype=dtype).element_size()
+    print(f"{args.preset} MLP linears, {args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{'rows':>5} {'kernel ms':>10} {'GB/s':>6} {'GFLOP/s':>8} {'torch ms':>9} "
+          f"{'torch/kernel':>13}")
+    for rows in args.rows:
+        t = _row(layers, rows, dtype, args.repeats)
+        k_s, t_s = t["kernel"], t["torch"]
+        print(f"{rows:>5} {k_s * 1e3:>10.1f} {weight_bytes / k_s / 1e9:>6.1f} "
+              f"{2 * rows * weights / k_s / 1e9:>8.0f} {t_s * 1e3:>9.1f} {t_s / k_s:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
