@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import build, packed_linear, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.batching import engine_output_tok_per_s
@@ -267,6 +267,7 @@ def main() -> None:
         "context": args.context, "prefill_lengths": args.prefill, "quick": args.quick,
         "concurrent": args.concurrent, "rounds": args.rounds,
         "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
+        "packed_prefill_linears": packed_linear.mode(),
         "llamacpp_version": llama_cpp_module()[1],
         "torch": torch.__version__,
     }

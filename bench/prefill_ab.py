@@ -1,9 +1,9 @@
 """Prefill A/B in one process: the model as it runs against variants that change one thing.
 
 "model" is the model as it runs (residual add + RMSNorm in one native pass, SiLU*mul in one,
-torch's linears); "packed" switches on the opt-in fp32 linears on MKL-packed weights
-(`SPLITPHASE_PACKED_PREFILL=1`); "unfused" swaps in the torch arithmetic the element-wise
-passes replaced (`x + r` then the norm; `F.silu(g) * u`); "sdpa" runs attention through
+fp32 linears on MKL-packed weights within their memory budget); "unpacked" takes torch's
+linear instead (`SPLITPHASE_PACKED_PREFILL=0`); "unfused" swaps in the torch arithmetic the
+element-wise passes replaced (`x + r` then the norm; `F.silu(g) * u`); "sdpa" runs attention through
 torch's SDPA instead of the native causal prefill kernel; everything else equal. Runs
 alternate, each figure is the best run; the FLOP fraction uses
 `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
@@ -48,9 +48,9 @@ def _unfused() -> Iterator[None]:
         elementwise.silu_mul, elementwise.add_rms_norm = real
 
 
-def _packed() -> contextlib.AbstractContextManager[None]:
-    """The packed GEMM instead of torch's linear (which has MKL repack the weight every call)."""
-    return packed_linear.switched(True)
+def _unpacked() -> contextlib.AbstractContextManager[None]:
+    """Torch's linear (MKL repacks the weight every call) instead of the packed GEMM."""
+    return packed_linear.switched(False)
 
 
 def _sdpa() -> contextlib.AbstractContextManager[None]:
@@ -59,7 +59,7 @@ def _sdpa() -> contextlib.AbstractContextManager[None]:
 
 
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-    "model": contextlib.nullcontext, "packed": _packed, "unfused": _unfused, "sdpa": _sdpa}
+    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused, "sdpa": _sdpa}
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ needs_mkl = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def packing_on():
-    """Packing is opt-in; these tests switch it on and leave the process as they found it."""
+    """These tests switch packing on and leave the process as they found it."""
     with packed_linear.switched(True):
         yield
 
@@ -35,11 +35,51 @@ def packing_off(packing_on):
         yield
 
 
-def test_off_by_default():
-    code = "from splitphase.kernels import packed_linear as p; print(p._SWITCH.on)"
+def _mode_in_child(value: str | None) -> tuple[str, str]:
+    """(switch, budget limited) as a fresh process sees SPLITPHASE_PACKED_PREFILL=value."""
+    code = (
+        "from splitphase.kernels import packed_linear as p; print(p._SWITCH.on, p._BUDGET.limited)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "SPLITPHASE_PACKED_PREFILL"}
+    if value is not None:
+        env["SPLITPHASE_PACKED_PREFILL"] = value
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "False", out.stderr
+    return out.stdout.strip(), out.stderr
+
+
+def test_auto_by_default_all_when_on_none_when_off():
+    assert _mode_in_child(None)[0] == "True True"  # on, within the memory budget
+    assert _mode_in_child("on")[0] == "True False"
+    assert _mode_in_child("0")[0] == "False False"
+    assert "must be auto, on or off" in _mode_in_child("sometimes")[1]
+
+
+@pytest.fixture
+def budget(monkeypatch: pytest.MonkeyPatch) -> packed_linear._Budget:
+    """A fresh `auto` budget for the test: its limit is set by the test, not by the machine."""
+    fresh = packed_linear._Budget(limited=True)
+    monkeypatch.setattr(packed_linear, "_BUDGET", fresh)
+    return fresh
+
+
+@needs_mkl
+def test_auto_packs_within_its_budget_and_returns_the_bytes(budget) -> None:
+    w1, w2, x = torch.randn(96, 64), torch.randn(96, 64), torch.randn(40, 64)
+    budget.limit_bytes = 1
+    refused = packed_linear.PackedWeight()
+    with torch.no_grad():
+        assert packed_linear.linear(x, w1, refused) is None  # no room: torch's linear
+        budget.limit_bytes = 10**9
+        assert packed_linear.linear(x, w1, refused) is None  # a refusal holds for that weight
+        first = packed_linear.PackedWeight()
+        assert packed_linear.linear(x, w1, first) is not None
+        used = budget.used_bytes
+        assert used >= w1.numel() * 4  # the packed copy is counted (MKL's ~2.2x the weight)
+        budget.limit_bytes = used + 1  # room for that one only
+        assert packed_linear.linear(x, w2, packed_linear.PackedWeight()) is None
+        del first  # a dropped copy gives its bytes back
+        assert budget.used_bytes == 0
+        assert packed_linear.linear(x, w2, packed_linear.PackedWeight()) is not None
 
 
 @needs_mkl

@@ -9,12 +9,12 @@ context, and all decode tokens attend together over their padded contexts.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from splitphase.errors import UserError
+from splitphase.hardware.memory import available_host_memory_bytes
 from splitphase.kernels import prefill_attention
 from splitphase.kernels.attention import decode_attention
 from splitphase.kernels.decode_stack import DecodePlan
@@ -31,14 +31,7 @@ def available_memory_bytes(device: torch.device) -> int:
     """Free memory on the device (CUDA: mem_get_info; CPU: MemAvailable)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return available_host_memory_bytes()
 
 
 def num_blocks_for_budget(

@@ -11,10 +11,14 @@ row count, not only the one it was packed at (tests/kernels/test_packed_linear.p
 
 The cost is memory: MKL's packed copy is ~2.2x the weight (fp32), kept next to the weight that
 decode's skinny kernel reads. Packing is lazy (the first prefill-shaped call per weight), so a
-model that only trains or decodes never pays it. It is off by default (`set_enabled(True)` or
-`SPLITPHASE_PACKED_PREFILL=1` turns it on): on a quiet machine it gained 4.6% at 512 prompt
-tokens and lost 2% at 2048 (base-125m, 2 threads), too little for twice the linears' memory,
-which a serving engine would rather give to the KV cache.
+model that only trains or decodes never pays it. `SPLITPHASE_PACKED_PREFILL` says how much:
+`auto` (the default) packs while all packed copies together take at most
+`AUTO_MEMORY_FRACTION` of the memory available when the first is made (base-125m fp32: ~0.9 GB,
+under 5% of this 24 GiB machine; a model too big for the budget keeps torch's linear for the
+weights past it); `1`/`on` packs every weight; `0`/`off` none. On the 2-core machine, quiet,
+`bench/prefill_ab.py --variants model packed` measured packed prefills 0.906x the time of
+torch's linear at 512 tokens and 0.927x at 2048 (once element-wise passes and attention ran on
+torch's OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
 """
 
 from __future__ import annotations
@@ -28,13 +32,50 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from splitphase.errors import UserError
+from splitphase.hardware.memory import available_host_memory_bytes
 from splitphase.kernels import build
 
 # Below this many rows a linear is decode-shaped: the skinny kernel (or plain torch) serves it
 # and the packing would not pay for its memory.
 MIN_ROWS = 32
 
-_SWITCH = build.Switch(on=os.environ.get("SPLITPHASE_PACKED_PREFILL", "0") in ("1", "on"))
+# The share of available memory packed copies may take under `auto`: a few percent leaves the
+# KV cache (a quarter of free memory by default) and the OS theirs.
+AUTO_MEMORY_FRACTION = 0.10
+
+_MODE = os.environ.get("SPLITPHASE_PACKED_PREFILL", "auto").lower()
+if _MODE not in ("auto", "1", "on", "0", "off"):
+    raise UserError(f"SPLITPHASE_PACKED_PREFILL must be auto, on or off, got {_MODE!r}")
+_SWITCH = build.Switch(on=_MODE != "0" and _MODE != "off")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Budget:
+    """Bytes of packed copies alive in this process against the `auto` limit (none when on)."""
+
+    def __init__(self, limited: bool) -> None:
+        self.limited = limited
+        self.limit_bytes: int | None = None
+        self.used_bytes = 0
+
+    def admit(self, nbytes: int) -> bool:
+        if self.limited and self.limit_bytes is None:
+            self.limit_bytes = int(AUTO_MEMORY_FRACTION * available_host_memory_bytes())
+        if self.limit_bytes is not None and self.used_bytes + nbytes > self.limit_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used_bytes -= nbytes
+
+
+_BUDGET = _Budget(limited=_MODE == "auto")
+
 
 
 def set_enabled(on: bool) -> None:
@@ -45,6 +86,13 @@ def set_enabled(on: bool) -> None:
 def switched(on: bool) -> contextlib.AbstractContextManager[None]:
     """Packed prefill linears on (or off) inside the block, as they were after it."""
     return _SWITCH.switched(on)
+
+
+def mode() -> str:
+    """How prefill linears pack now: "auto" (within the memory budget), "on" (all), "off"."""
+    if not is_enabled():
+        return "off"
+    return "auto" if _BUDGET.limited else "on"
 
 
 def is_enabled() -> bool:
@@ -81,23 +129,44 @@ class PackedWeight:
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] | None = None
+        self._refused: tuple[int, ...] | None = None  # the key the budget said no to
         self._packed: torch.Tensor | None = None
         self._stacked: torch.Tensor | None = None  # what was packed: (sum N, K)
+        self._bytes = 0  # counted against the budget: the packed copy and any stack made for it
 
-    def get(self, ws: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed copy, plain stack) of ws on dim 0, rebuilt if any changed since last call.
+    def get(
+        self, ws: Sequence[torch.Tensor], rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed copy, plain stack) of ws on dim 0, rebuilt if any changed since last call;
+        None where the memory budget has no room for them (the caller uses torch's linear).
 
         `_mkl_linear` takes the plain weight too (its fallback when the row count differs
         from the packing's), so a stack of several is kept: never a stand-in that would be
         silently wrong if that fallback ran.
         """
         key = (torch.get_num_threads(), *(v for w in ws for v in (w.data_ptr(), w._version)))
+        if key == self._refused:
+            return None
         if self._packed is None or self._stacked is None or key != self._key:
-            self._packed = self._stacked = None  # drop the old copies before building new ones
-            self._stacked = ws[0] if len(ws) == 1 else torch.cat(list(ws))
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self._stacked, rows)
-            self._key = key
+            self._drop()  # the old copies go before new ones are built
+            stacked = ws[0] if len(ws) == 1 else torch.cat(list(ws))
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(stacked, rows)
+            nbytes = _nbytes(packed) + (_nbytes(stacked) if len(ws) > 1 else 0)
+            if not _BUDGET.admit(nbytes):
+                self._refused = key
+                return None
+            self._packed, self._stacked, self._key, self._bytes = packed, stacked, key, nbytes
         return self._packed, self._stacked
+
+    def _drop(self) -> None:
+        if self._bytes:
+            _BUDGET.release(self._bytes)
+        self._packed = self._stacked = None
+        self._bytes = 0
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have cleared globals
+            self._drop()
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -133,6 +202,9 @@ def stacked_linear(
     if not ws or not all(usable(x, w) for w in ws):
         return None
     rows = x.numel() // x.shape[-1]
-    packed, stacked = pack.get(ws, rows)
+    got = pack.get(ws, rows)
+    if got is None:
+        return None
+    packed, stacked = got
     # prepack_batch_size = rows: _mkl_linear takes the packed path only when they are equal.
     return torch.ops.mkl._mkl_linear(x, packed, stacked, None, rows)
