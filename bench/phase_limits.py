@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from splitphase.hardware.memory import keep_freed_memory
 from splitphase.kernels import build, packed_linear, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -261,6 +262,7 @@ def main() -> None:
     args = _args()
     threads = _threads(args.threads)
     device = torch.device(args.device)
+    kept = keep_freed_memory() if device.type == "cpu" else False  # as the engine runs
     kernel = build.status()
     results: dict[str, Any] = {
         "preset": args.preset, "device": args.device, "threads": threads,
@@ -268,6 +270,7 @@ def main() -> None:
         "concurrent": args.concurrent, "rounds": args.rounds,
         "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
         "packed_prefill_linears": packed_linear.mode(),
+        "malloc_keeps_freed_memory": kept,
         "llamacpp_version": llama_cpp_module()[1],
         "torch": torch.__version__,
     }

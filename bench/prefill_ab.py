@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from splitphase.audit.flops import prefill_flops
+from splitphase.hardware.memory import keep_freed_memory
 from splitphase.kernels import elementwise, packed_linear, prefill_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -69,10 +70,14 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's thresholds (the engine fixes them: keep_freed_memory)")
     ap.add_argument("--clock", choices=["wall", "process"], default="wall")
     args = ap.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    print(f"threads {torch.get_num_threads()}, {args.clock} clock, load before {os.getloadavg()}")
+    kept = not args.default_malloc and keep_freed_memory()
+    print(f"threads {torch.get_num_threads()}, {args.clock} clock, malloc keeps freed memory: "
+          f"{kept}, load before {os.getloadavg()}")
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=args.dtype)).eval()
     dtype = model.dtype

@@ -24,6 +24,7 @@ from splitphase.engine.sampler import SampledToken, SamplingState, prompt_logpro
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from splitphase.errors import UserError
+from splitphase.hardware.memory import keep_freed_memory
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 
@@ -97,6 +98,8 @@ class LLMEngine:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        if model.device.type == "cpu":
+            keep_freed_memory()  # activations reuse the heap instead of fresh page faults
         cfg = model.cfg
         dtype_bytes = model.embed_tokens.weight.element_size()
         num_blocks = config.num_blocks or num_blocks_for_budget(

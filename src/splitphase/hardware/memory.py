@@ -1,8 +1,10 @@
-"""Host memory free to use: what memory budgets (KV cache, packed weights) take a share of."""
+"""Host memory: how much is free (budgets take a share of it) and how malloc keeps it."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 
 
 def available_host_memory_bytes() -> int:
@@ -15,3 +17,35 @@ def available_host_memory_bytes() -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc's ceiling for the mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): activations up
+# to this size come from the heap and are reused.
+_MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20
+_TRIM_THRESHOLD_BYTES = 2**30
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed activation-sized blocks for reuse instead of returning them to the
+    OS; True if it took (glibc only; elsewhere nothing changes).
+
+    torch's CPU tensors come straight from malloc. By default glibc serves blocks over its
+    dynamic mmap threshold with fresh mmaps and trims the heap top once a few such blocks are
+    free, so every prefill activation of a few MB (the MLP's 2048 x 3072 intermediates are
+    25 MB) is page-faulted in and zeroed by the kernel again, each layer. Fixed thresholds
+    keep those blocks in the heap, as a caching allocator would (vLLM's CPU backend and IPEX
+    recommend tcmalloc or jemalloc for the same reason). Measured on base-125m fp32, 2 threads:
+    a 2048-token prefill 9% faster (SiLU*mul alone 2.7x); 512 tokens unchanged. The cost is a
+    process that keeps up to 1 GiB of freed heap instead of returning it.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX_BYTES)
+        return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
