@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from splitphase.kernels import build, elementwise
 
 # Rows up to which the kernel beats torch, measured on the 2-core AVX-512 machine, quiet
-# (`bench/skinny_rows.py`: base-125m's MLP linears, weights from memory): fp32 up to 48, where
-# torch's GEMM draws level (the kernel 2.3x faster at 8 rows, 1.2x at 32, 1.05x at 48, 0.95x at
-# 64; it takes up to 64); bf16 only for 1-2 rows (oneDNN's bf16 GEMM is level with the kernel
-# at 4 rows and 1.5x faster at 8).
-MAX_ROWS = {torch.float32: 48, torch.bfloat16: 2}
+# (`bench/skinny_rows.py [--dtype bfloat16]`: base-125m's MLP linears, weights from memory):
+# fp32 up to 48, where torch's GEMM draws level (the kernel 2.3x faster at 8 rows, 1.2x at 32,
+# 1.05x at 48, 0.95x at 64; it takes up to 64); bf16 up to 8 (1.98x oneDNN at 1 row, 1.6x at
+# 4, 1.2x at 8, 0.72x at 16: oneDNN's AMX GEMM costs about the same from 1 to 16 rows).
+MAX_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 
 
 _SWITCH = build.Switch()

@@ -83,60 +83,75 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
 // out[b][r] = dot(w + r * stride, x + b * k) for four weight rows and NB <= 4 x rows: a 4 x NB
-// tile of independent accumulators (4 * NB FMA chains keep both FMA ports busy, where one
-// weight row at a time had at most 4 dependent chains) and four weight streams in flight. Each
-// (row, x-row) pair sums in dot_rows4's order (one 16-lane accumulator in k order, the tail,
-// reduce4), so a result does not depend on how rows are grouped (batch-invariant).
-template <int NB, bool kPrefetch>
-inline void dot_4rows_tile(const float* w, int64_t stride, const float* x, int64_t k,
-                           float (*out)[4]) {
+// tile of independent accumulators (4 * NB multiply-add chains keep both FMA ports busy, where
+// one weight row at a time had at most 4 dependent chains) and four weight streams in flight.
+// Each (row, x-row) pair sums in its dtype's dot_rows4 order (one 16-lane accumulator over
+// Step's vectors in k order, the tail, reduce4), so a result does not depend on how rows are
+// grouped (batch-invariant). Step: the element type's vector load and multiply-add.
+template <typename Step, int NB, bool kAhead>
+inline void dot_4rows_tile(const typename Step::T* w, int64_t stride, const typename Step::T* x,
+                           int64_t k, float (*out)[4]) {
+  constexpr int64_t kLanes = Step::kLanes;
   __m512 a[NB][4];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < 4; ++r) a[b][r] = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    __m512 wv[4];
+  for (; i + kLanes <= k; i += kLanes) {
+    typename Step::V wv[4];
     for (int r = 0; r < 4; ++r) {
-      if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + 1024, _MM_HINT_T0);
-      wv[r] = load16(w + r * stride + i);
+      if (kAhead) {  // the first x group: the weight rows come from memory
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + Step::kPrefetch,
+                     _MM_HINT_T0);
+      }
+      wv[r] = Step::load(w + r * stride + i);
     }
     for (int b = 0; b < NB; ++b) {
-      __m512 xv = load16(x + b * k + i);
-      for (int r = 0; r < 4; ++r) a[b][r] = _mm512_fmadd_ps(wv[r], xv, a[b][r]);
+      typename Step::V xv = Step::load(x + b * k + i);
+      for (int r = 0; r < 4; ++r) a[b][r] = Step::madd(a[b][r], wv[r], xv);
     }
   }
   if (i < k) {
-    __m512 wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = load_tail(w + r * stride + i, k - i);
+    typename Step::V wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = Step::tail(w + r * stride + i, k - i);
     for (int b = 0; b < NB; ++b) {
-      __m512 xv = load_tail(x + b * k + i, k - i);
-      for (int r = 0; r < 4; ++r) a[b][r] = _mm512_fmadd_ps(wv[r], xv, a[b][r]);
+      typename Step::V xv = Step::tail(x + b * k + i, k - i);
+      for (int r = 0; r < 4; ++r) a[b][r] = Step::madd(a[b][r], wv[r], xv);
     }
   }
   for (int b = 0; b < NB; ++b) reduce4(a[b][0], a[b][1], a[b][2], a[b][3], out[b]);
 }
 
-// out[b][r] for all nb x rows, four at a time: the four weight rows come from L1 after the
-// first group.
-inline void dot_4rows_all(const float* w, int64_t stride, const float* x, int64_t k, int nb,
-                          float (*out)[4]) {
-  // The first group pulls the weight rows in (prefetched ahead); the others find them in L1.
+// out[b][r] for all nb x rows, four at a time: the first group pulls the four weight rows in
+// (prefetched ahead), the others find them in L1.
+template <typename Step>
+inline void dot_4rows_all(const typename Step::T* w, int64_t stride, const typename Step::T* x,
+                          int64_t k, int nb, float (*out)[4]) {
   switch (std::min(nb, 4)) {
-    case 4: dot_4rows_tile<4, true>(w, stride, x, k, out); break;
-    case 3: dot_4rows_tile<3, true>(w, stride, x, k, out); break;
-    case 2: dot_4rows_tile<2, true>(w, stride, x, k, out); break;
-    default: dot_4rows_tile<1, true>(w, stride, x, k, out); break;
+    case 4: dot_4rows_tile<Step, 4, true>(w, stride, x, k, out); break;
+    case 3: dot_4rows_tile<Step, 3, true>(w, stride, x, k, out); break;
+    case 2: dot_4rows_tile<Step, 2, true>(w, stride, x, k, out); break;
+    default: dot_4rows_tile<Step, 1, true>(w, stride, x, k, out); break;
   }
   int b = 4;
-  for (; b + 4 <= nb; b += 4) dot_4rows_tile<4, false>(w, stride, x + b * k, k, out + b);
+  for (; b + 4 <= nb; b += 4) dot_4rows_tile<Step, 4, false>(w, stride, x + b * k, k, out + b);
   switch (nb > b ? nb - b : 0) {
-    case 3: dot_4rows_tile<3, false>(w, stride, x + b * k, k, out + b); break;
-    case 2: dot_4rows_tile<2, false>(w, stride, x + b * k, k, out + b); break;
-    case 1: dot_4rows_tile<1, false>(w, stride, x + b * k, k, out + b); break;
+    case 3: dot_4rows_tile<Step, 3, false>(w, stride, x + b * k, k, out + b); break;
+    case 2: dot_4rows_tile<Step, 2, false>(w, stride, x + b * k, k, out + b); break;
+    case 1: dot_4rows_tile<Step, 1, false>(w, stride, x + b * k, k, out + b); break;
     default: break;
   }
 }
-#define SPLITPHASE_FP32_TILE 1
+
+// fp32: 16 lanes a step, FMA.
+struct F32Step {
+  using T = float;
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kPrefetch = 1024;  // bytes ahead in each weight stream
+  static V load(const float* p) { return load16(p); }
+  static V tail(const float* p, int64_t n) { return load_tail(p, n); }
+  static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
+};
 
 #if defined(__AVX512BF16__)
 // bf16 weights and bf16 x: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32
@@ -195,7 +210,20 @@ inline void dot_rows4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k,
   reduce4(a[0], a[1], a[2], a[3], s);
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
+
+// bf16: 32 lanes (16 pairs) a step, VDPBF16PS; the order of dot_rows4 and dot_4rows1 above.
+struct Bf16Step {
+  using T = c10::BFloat16;
+  using V = __m512bh;
+  static constexpr int64_t kLanes = 32;
+  static constexpr int kPrefetch = kPrefetchBytes;
+  static V load(const c10::BFloat16* p) { return pairs(p); }
+  static V tail(const c10::BFloat16* p, int64_t n) { return pairs_tail(p, n); }
+  static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+#define SPLITPHASE_BF16_TILE 1
 #endif
+#define SPLITPHASE_FP32_TILE 1
 #else
 template <typename W, typename X>
 inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float* out) {
@@ -265,21 +293,32 @@ void rows_each(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi
   }
 }
 
-// The same for several x rows: fp32 takes 4 x nb tiles over four runs of rows read side by side
-// (the stream layout of rows1); a row's sums are those of rows_each.
+// The same for several x rows: 4 x nb tiles over four runs of rows read side by side (the
+// stream layout of rows1), the rows the runs leave by rows_each; a row's sums are the same
+// either way.
+template <typename Step>
+int64_t rows_tiled(const typename Step::T* w, const typename Step::T* x, int64_t k, int nb,
+                   int64_t lo, int64_t hi, int64_t width, typename Step::T* y) {
+  const int64_t run = (hi - lo) / 4;
+  float acc[kMaxRows][4];
+  for (int64_t i = 0; i < run; ++i) {
+    dot_4rows_all<Step>(w + (lo + i) * k, run * k, x, k, nb, acc);
+    for (int b = 0; b < nb; ++b)
+      for (int r = 0; r < 4; ++r)
+        y[b * width + lo + r * run + i] = static_cast<typename Step::T>(acc[b][r]);
+  }
+  return lo + 4 * run;  // the rows left for rows_each
+}
+
 template <typename T>
 void rows_n(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi, int64_t width,
             T* y) {
 #if defined(SPLITPHASE_FP32_TILE)
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t run = (hi - lo) / 4;
-    float acc[kMaxRows][4];
-    for (int64_t i = 0; i < run; ++i) {
-      dot_4rows_all(w + (lo + i) * k, run * k, x, k, nb, acc);
-      for (int b = 0; b < nb; ++b)
-        for (int r = 0; r < 4; ++r) y[b * width + lo + r * run + i] = acc[b][r];
-    }
-    lo += 4 * run;
+  if constexpr (std::is_same_v<T, float>) lo = rows_tiled<F32Step>(w, x, k, nb, lo, hi, width, y);
+#endif
+#if defined(SPLITPHASE_BF16_TILE)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    lo = rows_tiled<Bf16Step>(w, x, k, nb, lo, hi, width, y);
   }
 #endif
   rows_each(w, x, k, nb, lo, hi, width, y);
