@@ -55,6 +55,29 @@ def test_bf16_matches_within_bf16_rounding() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(12, 4, 64), (6, 2, 24)])
+def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(
+    heads: int, groups: int, dim: int
+) -> None:
+    """Jobs split a sequence's K/V heads when the batch is smaller than the thread count; a
+    row's result is the same whichever split, batch or thread count computed it."""
+    q, k, v, slots, lengths = _case(torch.float32, heads, groups, dim, seed=5)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                results.append(decode_attention(q, k, v, slots, lengths))
+                alone = [decode_attention(q[i:i + 1], k, v, slots[i:i + 1], lengths[i:i + 1])
+                         for i in range(len(q))]
+            assert torch.equal(torch.cat(alone), results[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+@needs_kernel
 def test_padding_slots_are_never_read() -> None:
     q, k, v, slots, lengths = _case(torch.float32, 4, 2, 16)
     poisoned = slots.clone()

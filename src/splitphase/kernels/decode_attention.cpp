@@ -1,8 +1,10 @@
 // Decode attention over a paged (or contiguous) KV pool: one new query token per sequence,
-// each attending to its own context through a slot list. For every (sequence, KV head) the
-// K rows and then the V rows of the context are read once, for all the query heads of that
-// group (GQA), without gathering a padded copy of the context first. Scores, softmax and the
-// weighted sum run in fp32 whatever the storage dtype (fp32 or bf16).
+// each attending to its own context through a slot list. A job is one sequence's K/V heads
+// (split in parts when the batch is smaller than the thread count): its K rows are read once
+// for all its query heads (GQA), a slot's heads side by side, then each K/V head's V rows with
+// that head's query outputs held in registers, without gathering a padded copy of the context
+// first. Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32 or
+// bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -74,6 +76,18 @@ inline float exp_shifted(float* p, int64_t n, float m) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// max(p[0:n]), 16 lanes at a time (a scalar max is a chain of dependent instructions: a fifth
+// of a batch-8 call at context 512). Exact: a maximum does not depend on the order.
+inline float max_of(const float* p, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) {
+    __mmask16 mask = n - t >= 16 ? static_cast<__mmask16>(0xffff)
+                                 : splitphase_simd::tail_mask(n - t);
+    mx = _mm512_mask_max_ps(mx, mask, mx, _mm512_maskz_loadu_ps(mask, p + t));
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
 // o[:d] += w * v[:d]
 template <typename T>
 inline void axpy(float w, const T* v, float* o, int64_t d) {
@@ -84,7 +98,54 @@ inline void axpy(float w, const T* v, float* o, int64_t d) {
   }
   for (; i < d; ++i) o[i] += w * static_cast<float>(v[i]);
 }
+
+// out[h][:NV*16] = sum_t p[h * len + t] * v_t for H heads sharing one K/V head, with the
+// accumulators in registers for the whole walk (axpy's per-key store and reload of out was
+// most of the time). The same multiply-adds in the same order as axpy from zeroed out, so the
+// result is identical.
+template <int H, int NV, typename T, typename ValueRow>
+inline void pv_regs(const float* p, int64_t len, ValueRow value, float* out, int64_t d) {
+  __m512 acc[H][NV];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = value(t);
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      __m512 pb = _mm512_set1_ps(p[h * len + t]);
+      for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * d + 16 * c, acc[h][c]);
+}
+
+// pv_regs for `heads` (1-4) heads and d = 16 * nv (nv 1-8) where the accumulators and one value
+// row fit the 32 registers; false where they do not (the caller walks with axpy).
+template <typename T, typename ValueRow>
+inline bool pv_in_registers(int64_t heads, int64_t d, const float* p, int64_t len,
+                            ValueRow value, float* out) {
+  if (d % 16 != 0) return false;
+  const int64_t nv = d / 16;
+#define SPLITPHASE_PV(H, NV)                                    \
+  if (heads == H && nv == NV) {                                 \
+    pv_regs<H, NV, T>(p, len, value, out, d);                   \
+    return true;                                                \
+  }
+  SPLITPHASE_PV(1, 1) SPLITPHASE_PV(1, 2) SPLITPHASE_PV(1, 4) SPLITPHASE_PV(1, 8)
+  SPLITPHASE_PV(2, 1) SPLITPHASE_PV(2, 2) SPLITPHASE_PV(2, 4) SPLITPHASE_PV(2, 8)
+  SPLITPHASE_PV(3, 1) SPLITPHASE_PV(3, 2) SPLITPHASE_PV(3, 4) SPLITPHASE_PV(3, 6)
+  SPLITPHASE_PV(4, 1) SPLITPHASE_PV(4, 2) SPLITPHASE_PV(4, 4) SPLITPHASE_PV(4, 5)
+#undef SPLITPHASE_PV
+  return false;
+}
 #else
+template <typename T, typename ValueRow>
+inline bool pv_in_registers(int64_t, int64_t, const float*, int64_t, ValueRow, float*) {
+  return false;
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
@@ -95,6 +156,12 @@ inline float dot(const float* q, const T* k, int64_t d) {
 template <typename T>
 inline void dot4(const float* q, const T* const* k, int64_t d, float* out) {
   for (int j = 0; j < 4; ++j) out[j] = dot(q, k[j], d);
+}
+
+inline float max_of(const float* p, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, p[i]);
+  return m;
 }
 
 inline float exp_shifted(float* p, int64_t n, float m) {
@@ -128,41 +195,58 @@ inline void prefetch_row(const T* row, int64_t d) {
     __builtin_prefetch(p + off, 0, 3);
 }
 
+// One sequence's query heads of the K/V heads [g0, g1), over its len context slots. The
+// pool stores a slot's K/V heads side by side ((slots, n_kv, d)), so reading all of a job's
+// heads from each slot row walks the pool in contiguous runs (a block's slots are adjacent)
+// where one head at a time read a d-row every n_kv * d. Per query head the arithmetic is the
+// same whatever [g0, g1) is (scores four keys at a time, then the softmax, then the weighted
+// sum over slots in order): a row's result does not depend on how jobs split the heads.
 template <typename T>
-void attend_group(const float* q, const T* kp, const T* vp, const int64_t* slots, int64_t len,
-                  int64_t heads, int64_t g, int64_t n_kv, int64_t d, float scale, float* out) {
-  // q: (heads, d) for this group; kp/vp: (slots, n_kv, d); out: (heads, d).
+void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slots, int64_t len,
+                   int64_t group, int64_t g0, int64_t g1, int64_t n_kv, int64_t d, float scale,
+                   float* out) {
+  // q: (g1 - g0) * group heads of d for these groups; kp/vp: (slots, n_kv, d); out like q.
+  const int64_t heads = (g1 - g0) * group, span = (g1 - g0) * d;
   std::vector<float> p(static_cast<size_t>(heads * len));
-  auto key = [&](int64_t t) { return kp + (slots[t] * n_kv + g) * d; };
+  auto key = [&](int64_t t, int64_t g) { return kp + (slots[t] * n_kv + g) * d; };
   const int64_t ahead = kAheadRows;
-  for (int64_t t = 0; t < std::min(ahead, len); ++t) prefetch_row(key(t), d);
+  for (int64_t t = 0; t < std::min(ahead, len); ++t) prefetch_row(key(t, g0), span);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {  // a row's blocking depends only on its own length
-    for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u), d);
-    const T* k4[4] = {key(t), key(t + 1), key(t + 2), key(t + 3)};
-    for (int64_t h = 0; h < heads; ++h) {
-      float s4[4];
-      dot4(q + h * d, k4, d, s4);
-      for (int j = 0; j < 4; ++j) p[h * len + t + j] = s4[j] * scale;
+    for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u, g0), span);
+    for (int64_t g = g0; g < g1; ++g) {
+      const T* k4[4] = {key(t, g), key(t + 1, g), key(t + 2, g), key(t + 3, g)};
+      for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
+        float s4[4];
+        dot4(q + h * d, k4, d, s4);
+        for (int j = 0; j < 4; ++j) p[h * len + t + j] = s4[j] * scale;
+      }
     }
   }
   for (; t < len; ++t) {
-    for (int64_t h = 0; h < heads; ++h) p[h * len + t] = dot(q + h * d, key(t), d) * scale;
+    for (int64_t h = 0; h < heads; ++h) {
+      p[h * len + t] = dot(q + h * d, key(t, g0 + h / group), d) * scale;
+    }
   }
   std::vector<float> inv(static_cast<size_t>(heads));
   for (int64_t h = 0; h < heads; ++h) {
     float* ph = p.data() + h * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < len; ++i) m = std::max(m, ph[i]);
-    inv[h] = 1.f / exp_shifted(ph, len, m);
+    inv[h] = 1.f / exp_shifted(ph, len, max_of(ph, len));
   }
-  std::fill(out, out + heads * d, 0.f);
-  auto value = [&](int64_t u) { return vp + (slots[u] * n_kv + g) * d; };
-  for (t = 0; t < std::min(ahead, len); ++t) prefetch_row(value(t), d);
-  for (t = 0; t < len; ++t) {
-    if (t + ahead < len) prefetch_row(value(t + ahead), d);
-    const T* v = value(t);
-    for (int64_t h = 0; h < heads; ++h) axpy(p[h * len + t], v, out + h * d, d);
+  auto value = [&](int64_t u, int64_t g) { return vp + (slots[u] * n_kv + g) * d; };
+  for (int64_t g = g0; g < g1; ++g) {  // one K/V head's rows at a time, its heads in registers
+    const int64_t h0 = (g - g0) * group;
+    auto row = [&](int64_t u) {
+      if (u + ahead < len) prefetch_row(value(u + ahead, g), d);
+      return value(u, g);
+    };
+    for (t = 0; t < std::min(ahead, len); ++t) prefetch_row(value(t, g), d);
+    if (pv_in_registers<T>(group, d, p.data() + h0 * len, len, row, out + h0 * d)) continue;
+    std::fill(out + h0 * d, out + (h0 + group) * d, 0.f);
+    for (t = 0; t < len; ++t) {
+      const T* v = row(t);
+      for (int64_t h = h0; h < h0 + group; ++h) axpy(p[h * len + t], v, out + h * d, d);
+    }
   }
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t i = 0; i < d; ++i) out[h * d + i] *= inv[h];
@@ -181,12 +265,19 @@ void decode_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v,
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ln = lengths.data_ptr<int64_t>();
   float* out = outf.data_ptr<float>();
-  splitphase_pool::parallel_chunks(b * n_kv, 1, b, [&](int64_t begin, int64_t end) {
+  // A job is one sequence's K/V heads, split into as many parts as it takes to give every
+  // thread work when the batch is smaller than the thread count (batch 1: halves on 2 threads).
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::min(n_kv, std::max<int64_t>(1, (threads + b - 1) / b));
+  const int64_t per_part = (n_kv + parts - 1) / parts;
+  splitphase_pool::parallel_chunks(b * parts, 1, b, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
-      int64_t row = job / n_kv, g = job % n_kv;
-      int64_t off = (row * h + g * group) * d;
-      attend_group(q + off, kp, vp, sl + row * s_max, ln[row], group, g, n_kv, d, scale,
-                   out + off);
+      int64_t row = job / parts, g0 = (job % parts) * per_part;
+      int64_t g1 = std::min(n_kv, g0 + per_part);
+      if (g0 >= g1) continue;
+      int64_t off = (row * h + g0 * group) * d;
+      attend_groups(q + off, kp, vp, sl + row * s_max, ln[row], group, g0, g1, n_kv, d, scale,
+                    out + off);
     }
   });
 }
