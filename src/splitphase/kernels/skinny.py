@@ -9,6 +9,8 @@ take the plain torch path, which is the reference.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,11 @@ _SWITCH = build.Switch()
 def set_enabled(on: bool) -> None:
     """Turn the native decode path on or off for this process (torch fallback when off)."""
     _SWITCH.on = on
+
+
+def switched(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Every native kernel on (or off) inside the block, as it was after it."""
+    return _SWITCH.switched(on)
 
 
 def is_enabled() -> bool:

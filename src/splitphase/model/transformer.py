@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from splitphase.kernels import decode_stack, skinny
+from splitphase.model import compiled
 from splitphase.model.attention_context import AttentionContext, KVCache, NoCache
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
@@ -131,6 +132,8 @@ class Transformer(nn.Module):
         """Final-normed hidden states (B, T, D) for token ids (B, T)."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # (B, T, D)
+        if compiled.wanted(self, ids, ctx):
+            return compiled.run_layers(self, x, cos, sin, ctx)
         fused = self._fused_decode(x, cos, sin, ctx)
         if fused is not None:
             return fused
