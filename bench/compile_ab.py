@@ -41,7 +41,7 @@ def _variant(name: str) -> contextlib.ExitStack:
     """The context a variant runs in."""
     stack = contextlib.ExitStack()
     stack.enter_context(compiled.switched(name in ("native", "torch")))
-    stack.enter_context(compiled.native_in_graph(name != "torch"))
+    stack.enter_context(compiled.native_in_graph(name != "torch"))  # both phases
     if name == "reference":
         stack.enter_context(skinny.switched(False))
     return stack

@@ -15,8 +15,7 @@ recompile limit bounds the rest (past it, that piece runs eagerly: slower, never
 `set_enabled` and `switched`. It applies to inference passes (grad off) of dense models; MoE
 routing is data-dependent and stays eager, as does training. Inside the pieces the native
 kernels are either traced as opaque ops (their fakes: kernels/fake.py) or switched off so
-inductor compiles the torch reference path (`native_in_graph`); see the README for which
-measured better.
+inductor compiles the torch reference path (`native_in_graph`), per phase, as measured best.
 """
 
 from __future__ import annotations
@@ -46,10 +45,11 @@ def _env_phases() -> set[str]:
 
 
 _SWITCHES = {phase: build.Switch(on=phase in _env_phases()) for phase in PHASES}
-# Whether the compiled pieces call the native kernels (as opaque ops) or the torch reference.
-_NATIVE_IN_GRAPH = build.Switch(
-    on=os.environ.get("SPLITPHASE_COMPILE_NATIVE", "1") not in ("0", "off", "false")
-)
+# Whether a phase's compiled pieces call the native kernels (as opaque ops) or the torch
+# reference, which inductor then fuses; measured (bench/compile_ab.py, README): prefill gains
+# from inductor's fused torch path, decode keeps the skinny kernel (torch's matrix-vector
+# product reads the weights slower than it).
+_NATIVE_IN_GRAPH = {"prefill": build.Switch(on=False), "decode": build.Switch(on=True)}
 
 
 def set_enabled(on: bool, phases: Iterable[str] = PHASES) -> None:
@@ -77,10 +77,14 @@ def enabled_phases() -> list[str]:
     return [p for p in PHASES if _SWITCHES[p].on]
 
 
-def native_in_graph(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block the compiled pieces call the native kernels (on) or the torch
-    reference that inductor fuses (off)."""
-    return _NATIVE_IN_GRAPH.switched(on)
+@contextlib.contextmanager
+def native_in_graph(on: bool, phases: Iterable[str] = PHASES) -> Iterator[None]:
+    """Inside the block these phases' compiled pieces call the native kernels (on) or the
+    torch reference that inductor fuses (off); benchmarks compare the two."""
+    with contextlib.ExitStack() as stack:
+        for phase in _checked(phases):
+            stack.enter_context(_NATIVE_IN_GRAPH[phase].switched(on))
+        yield
 
 
 def _checked(phases: Iterable[str]) -> list[str]:
@@ -100,13 +104,14 @@ def phase_of(ids: torch.Tensor, ctx: AttentionContext) -> str:
     return "decode" if plan_of is not None and plan_of() is not None else "prefill"
 
 
-def wanted(model: Transformer, ids: torch.Tensor, ctx: AttentionContext) -> bool:
-    """True when this pass of `model` should run the compiled pieces."""
+def wanted(model: Transformer, ids: torch.Tensor, ctx: AttentionContext) -> str | None:
+    """The phase whose compiled pieces this pass of `model` should run, or None (eager)."""
     if not any(s.on for s in _SWITCHES.values()) or torch.is_grad_enabled():
-        return False
+        return None
     if model.cfg.is_moe or model.has_aux_flow or len(model.layers) == 0:
-        return False
-    return is_enabled(phase_of(ids, ctx))
+        return None
+    phase = phase_of(ids, ctx)
+    return phase if is_enabled(phase) else None
 
 
 def _first(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -154,9 +159,9 @@ class _Pieces:
 PIECES = _Pieces()
 
 
-def _piece(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+def _piece(phase: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
     compiled = PIECES.get(name, fn)
-    if _NATIVE_IN_GRAPH.on:
+    if _NATIVE_IN_GRAPH[phase].on:
         return compiled(*args)
     with skinny.switched(False):  # traced (and guarded) with the torch path
         return compiled(*args)
@@ -164,15 +169,15 @@ def _piece(name: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 def run_layers(
     model: Transformer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    ctx: AttentionContext,
+    ctx: AttentionContext, phase: str,
 ) -> torch.Tensor:
     """Final-normed hidden states (B, T, D) of embeddings x through every layer: compiled
-    dense pieces, eager attention in ctx between them."""
+    dense pieces (as `phase` runs them), eager attention in ctx between them."""
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
-    q, k, v = _piece("first", _first, layers[0], x, cos, sin)
+    q, k, v = _piece(phase, "first", _first, layers[0], x, cos, sin)
     for i, layer in enumerate(layers):
         a = ctx.attend(layer.layer_idx, layer.self_attn, q, k, v)  # (B, T, H*D)
         if i + 1 == len(layers):
             break
-        x, q, k, v = _piece("between", _between, layer, layers[i + 1], x, a, cos, sin)
-    return _piece("last", _last, layers[-1], model.norm, x, a)  # type: ignore[no-any-return]
+        x, q, k, v = _piece(phase, "between", _between, layer, layers[i + 1], x, a, cos, sin)
+    return _piece(phase, "last", _last, layers[-1], model.norm, x, a)

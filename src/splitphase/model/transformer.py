@@ -132,8 +132,9 @@ class Transformer(nn.Module):
         """Final-normed hidden states (B, T, D) for token ids (B, T)."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # (B, T, D)
-        if compiled.wanted(self, ids, ctx):
-            return compiled.run_layers(self, x, cos, sin, ctx)
+        phase = compiled.wanted(self, ids, ctx)
+        if phase is not None:
+            return compiled.run_layers(self, x, cos, sin, ctx, phase)
         fused = self._fused_decode(x, cos, sin, ctx)
         if fused is not None:
             return fused
