@@ -15,22 +15,6 @@ from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
 
-def _inductor_works() -> str | None:
-    """None when inductor compiles a trivial function here, else why not."""
-    try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
-    except Exception as exc:  # no C++ compiler, no headers: the flag cannot work here
-        return f"{type(exc).__name__}: {str(exc)[:200]}"
-    return None
-
-
-@pytest.fixture(scope="module")
-def inductor() -> None:
-    why = _inductor_works()
-    if why is not None:
-        pytest.skip(f"torch.compile (inductor) cannot compile on this machine: {why}")
-
-
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     torch.manual_seed(0)
