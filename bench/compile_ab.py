@@ -1,16 +1,21 @@
 """torch.compile A/B in one process: the model as it runs against its compiled passes.
 
-"eager" is the model as it runs (native kernels, the one-call decode stack); "native" runs
-the passes through the compiled pieces (`splitphase.model.compiled`) with the native kernels
-traced as opaque ops; "torch" compiles the pieces with the native kernels switched off inside
-them, so inductor generates the norms, rotations and SiLU around torch's GEMMs (attention
-stays native between the pieces in both); "reference" is the eager torch path with every
-native kernel off, what "torch" compiles. Workloads: a prefill of `--prefill` tokens, decode
-steps at batch 1 and 8 over `--context` cached tokens. Compile time is the first call of each
-(variant, workload) minus its best call, wall clock (inductor compiles in worker processes,
-which a process clock would not see). Runs alternate; each figure is the best of its
-rounds. Outputs are checked against eager (max abs difference of the logits). Nothing is
-asserted.
+Variants: "eager" is the model as it runs (native kernels, the one-call decode stack).
+"native" runs the passes through the compiled pieces (`splitphase.model.compiled`) with the
+native kernels traced as opaque ops, in decode too (the shipped flag leaves decode to the
+one-call stack where it applies: this comparison decided it). "torch" compiles the pieces with
+the native kernels switched off inside them, so inductor generates the norms, rotations and
+SiLU around torch's GEMMs (attention stays native between the pieces in both). "per_op" is
+eager with the one-call decode stack off (each layer's ops from Python: what the pieces
+replace in decode). "reference" is the eager torch path, every native kernel off: what
+"torch" compiles.
+
+Workloads: a prefill of `--prefill` tokens, decode steps at batch 1 and 8 over `--context`
+cached tokens. Compile time is the first call of each (variant, workload) minus its best
+call, wall clock (inductor compiles in worker processes, which a process clock would not
+see); inductor caches compiled code on disk, so point TORCHINDUCTOR_CACHE_DIR at an empty
+directory to time a cold compile. Runs alternate; each figure is the best of its rounds.
+Outputs are checked against eager (max abs difference of the logits). Nothing is asserted.
 
     OMP_NUM_THREADS=1 python bench/compile_ab.py --clock process
 
@@ -30,7 +35,7 @@ from typing import Any
 
 import torch
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import build, decode_stack, skinny
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -44,10 +49,12 @@ def _variant(name: str) -> contextlib.ExitStack:
     stack.enter_context(compiled.native_in_graph(name != "torch"))  # both phases
     if name == "reference":
         stack.enter_context(skinny.switched(False))
+    if name in ("native", "torch", "per_op"):  # the pieces' decode, not the one-call stack's
+        stack.enter_context(decode_stack.switched(False))
     return stack
 
 
-VARIANTS = ("eager", "native", "torch", "reference")
+VARIANTS = ("eager", "native", "torch", "per_op", "reference")
 
 
 def _workloads(model: Transformer, args: argparse.Namespace) -> dict[str, Callable[[], Any]]:

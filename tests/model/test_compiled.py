@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from splitphase.kernels import build, decode_stack
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -51,7 +52,8 @@ def test_compiled_passes_match_eager(inductor, model, counting, native: bool) ->
     prompts = [torch.randint(0, model.cfg.vocab_size, (b, t)) for b, t in ((1, 9), (2, 5))]
     want = [_generate(model, p, 3) for p in prompts]
     assert counting == []  # off by default
-    with compiled.switched(True), compiled.native_in_graph(native):
+    # The one-call decode stack keeps decode where it applies: off, so the pieces run.
+    with compiled.switched(True), compiled.native_in_graph(native), decode_stack.switched(False):
         got = [_generate(model, p, 3) for p in prompts]
     assert len(counting) == 2 * 4  # every prefill and decode pass took the pieces
     for w_run, g_run in zip(want, got, strict=True):
@@ -61,12 +63,21 @@ def test_compiled_passes_match_eager(inductor, model, counting, native: bool) ->
 
 def test_one_phase_only(inductor, model, counting) -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 6))
-    with compiled.switched(True, ["prefill"]):
+    with decode_stack.switched(False):
+        with compiled.switched(True, ["prefill"]):
+            _generate(model, prompt, 2)
+        assert len(counting) == 1
+        with compiled.switched(True, ["decode"]):
+            _generate(model, prompt, 2)
+        assert len(counting) == 1 + 2
+
+
+@pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
+def test_decode_stack_keeps_decode(inductor, model, counting) -> None:
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 6))
+    with compiled.switched(True):
         _generate(model, prompt, 2)
-    assert len(counting) == 1
-    with compiled.switched(True, ["decode"]):
-        _generate(model, prompt, 2)
-    assert len(counting) == 1 + 2
+    assert len(counting) == 1  # the prefill; both decode steps took the one native call
 
 
 def test_off_leaves_model_untouched(model, counting) -> None:

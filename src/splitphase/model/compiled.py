@@ -13,7 +13,11 @@ recompile limit bounds the rest (past it, that piece runs eagerly: slower, never
 
 `SPLITPHASE_COMPILE` = `prefill`, `decode` or `1` (both) turns it on for the process, as do
 `set_enabled` and `switched`. It applies to inference passes (grad off) of dense models; MoE
-routing is data-dependent and stays eager, as does training. Inside the pieces the native
+routing is data-dependent and stays eager, as does training. A decode pass that the native
+one-call decode stack serves (kernels/decode_stack.py) keeps it: it measured 10-15% faster
+than the compiled pieces, which replace its per-layer Python with guarded graph calls but not
+its single trip through the layers. So compiled decode runs where the stack does not (GPU,
+QK-norm models, native kernels off). Inside the pieces the native
 kernels are either traced as opaque ops (their fakes: kernels/fake.py) or switched off so
 inductor compiles the torch reference path (`native_in_graph`), per phase, as measured best.
 """

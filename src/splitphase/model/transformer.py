@@ -132,12 +132,12 @@ class Transformer(nn.Module):
         """Final-normed hidden states (B, T, D) for token ids (B, T)."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # (B, T, D)
+        fused = self._fused_decode(x, cos, sin, ctx)  # one native call beats compiled pieces
+        if fused is not None:
+            return fused
         phase = compiled.wanted(self, ids, ctx)
         if phase is not None:
             return compiled.run_layers(self, x, cos, sin, ctx, phase)
-        fused = self._fused_decode(x, cos, sin, ctx)
-        if fused is not None:
-            return fused
         layers = cast(list[DecoderLayer], list(self.layers))
         if not layers:
             return self.norm(x)
