@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--decode-reps", type=int, default=5, help="decode steps per round")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from splitphase.kernels import build, decode_stack
+from splitphase.kernels import build, decode_stack, packed_linear
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -122,3 +123,13 @@ def test_off_without_env() -> None:
 def test_unknown_phase_is_refused() -> None:
     with pytest.raises(ValueError, match="compile phases"):
         compiled.set_enabled(True, ["training"])
+
+
+def test_packed_prefill_linears_stay_out_of_the_graph(inductor, model, counting) -> None:
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 40))  # prefill-shaped: 40 rows
+    want = model.prefill(prompt)[0]
+    counters.clear()
+    with compiled.switched(True), packed_linear.switched(True):
+        got = model.prefill(prompt)[0]
+    assert len(counting) == 1 and not counters["graph_break"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

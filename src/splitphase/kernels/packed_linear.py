@@ -186,6 +186,8 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # _mkl_linear has no backward: training keeps torch's linear
+    if torch.compiler.is_compiling():
+        return False  # the packed copy is a Python-side cache keyed on data_ptr: not traceable
     return w.dim() == 2 and w.is_contiguous() and is_enabled()
 
 
