@@ -133,3 +133,20 @@ def test_packed_prefill_linears_stay_out_of_the_graph(inductor, model, counting)
         got = model.prefill(prompt)[0]
     assert len(counting) == 1 and not counters["graph_break"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_new_lengths_and_batches_reuse_the_graphs(inductor, model) -> None:
+    compiled.PIECES.reset()
+    counters.clear()
+    # Inductor's on-disk cache adds the guards of the entry it finds: an entry another compile
+    # left (another shape, older code) could add some, so this test compiles without it.
+    no_disk_cache = torch._inductor.config.patch(fx_graph_cache=False)
+
+    def run(shapes: list[tuple[int, int]]) -> int:
+        with compiled.switched(True), decode_stack.switched(False), no_disk_cache:
+            for b, t in shapes:
+                _generate(model, torch.randint(0, model.cfg.vocab_size, (b, t)), 1)
+        return counters["stats"]["unique_graphs"]
+
+    graphs = run([(1, 20), (2, 30)])  # prefill lengths, decode batches 1 and 2
+    assert run([(1, 40), (1, 57), (3, 25), (5, 33)]) == graphs  # no recompile

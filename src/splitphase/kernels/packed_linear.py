@@ -180,14 +180,14 @@ class PackedWeight:
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when x @ w.T can take the packed GEMM: fp32 on CPU, prefill-shaped, no autograd."""
+    if torch.compiler.is_compiling():
+        return False  # the packed copy is a Python-side cache keyed on data_ptr: not traceable
     if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
         return False
     if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < MIN_ROWS * x.shape[-1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # _mkl_linear has no backward: training keeps torch's linear
-    if torch.compiler.is_compiling():
-        return False  # the packed copy is a Python-side cache keyed on data_ptr: not traceable
     return w.dim() == 2 and w.is_contiguous() and is_enabled()
 
 
