@@ -7,8 +7,9 @@ one-call stack where it applies: this comparison decided it). "torch" compiles t
 the native kernels switched off inside them, so inductor generates the norms, rotations and
 SiLU around torch's GEMMs (attention stays native between the pieces in both). "per_op" is
 eager with the one-call decode stack off (each layer's ops from Python: what the pieces
-replace in decode). "reference" is the eager torch path, every native kernel off: what
-"torch" compiles.
+replace in decode). "unpacked" is eager with torch's linear instead of the packed prefill
+GEMMs (which compiled pieces cannot call: kernels/packed_linear.py). "reference" is the eager
+torch path, every native kernel off: what "torch" compiles.
 
 Workloads: a prefill of `--prefill` tokens, decode steps at batch 1 and 8 over `--context`
 cached tokens. Compile time is the first call of each (variant, workload) minus its best
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from splitphase.kernels import build, decode_stack, skinny
+from splitphase.kernels import build, decode_stack, packed_linear, skinny
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -51,10 +52,12 @@ def _variant(name: str) -> contextlib.ExitStack:
         stack.enter_context(skinny.switched(False))
     if name in ("native", "torch", "per_op"):  # the pieces' decode, not the one-call stack's
         stack.enter_context(decode_stack.switched(False))
+    if name == "unpacked":
+        stack.enter_context(packed_linear.switched(False))
     return stack
 
 
-VARIANTS = ("eager", "native", "torch", "per_op", "reference")
+VARIANTS = ("eager", "native", "torch", "per_op", "unpacked", "reference")
 
 
 def _workloads(model: Transformer, args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
