@@ -10,6 +10,7 @@ run. Nothing here is asserted.
 
     OMP_NUM_THREADS=2 python bench/phase_limits.py                 # base-125m, fp32 and bf16
     python bench/phase_limits.py --quick                           # tiny preset: proves it runs
+    python bench/phase_limits.py --compile ...                     # + torch.compile rows
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 from splitphase.hardware.memory import keep_freed_memory
 from splitphase.kernels import build, packed_linear, skinny
+from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.batching import engine_output_tok_per_s
@@ -50,6 +53,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny preset, tiny sizes")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the passes through torch.compile (splitphase.model.compiled)")
     ap.add_argument("--out", default="bench/results/phase_limits.json")
     args = ap.parse_args()
     if args.quick:
@@ -92,6 +97,30 @@ def _ours_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any]:
     for n in args.prefill:
         seconds, flops = time_prefill(model, n, 2 if n > 1024 else 3)
         out[f"prefill_{n}"] = {"s": seconds, "flops": flops, "tokens": n}
+    if args.compile:
+        out.update(_compiled_raw(model, args))
+    return out
+
+
+def _compiled_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any]:
+    """The same decode and first prefill through the compiled passes, and the wall seconds
+    of the first calls (what compiling their graphs cost; later rounds find them cached)."""
+    out: dict[str, Any] = {}
+    n = args.prefill[0]
+    compiled.PIECES.reset()  # every round compiles afresh: its first calls time the compile
+    with compiled.switched(True):
+        t0 = time.perf_counter()
+        time_prefill(model, n, 1)  # compiles the prefill graphs
+        for batch in (1, 8):
+            time_decode(model, batch, args.context, 1)  # compiles this batch's decode graphs
+        out["compile_first_calls_s"] = time.perf_counter() - t0
+        for batch in (1, 8):
+            d = time_decode(model, batch, args.context, args.steps)
+            out[f"decode_b{batch}_compiled"] = {
+                "batch": batch, "step_s": d.step_s, "bytes_per_step": d.bytes_per_step
+            }
+        seconds, flops = time_prefill(model, n, 2 if n > 1024 else 3)
+        out[f"prefill_{n}_compiled"] = {"s": seconds, "flops": flops, "tokens": n}
     return out
 
 
@@ -173,7 +202,16 @@ def _ratios(ours: dict, base: dict, n: int) -> dict[str, float | None]:
         / ours["decode_b1"]["step_s"],
         "native_kernel_speedup_decode_b8": ours["decode_b8_native_off"]["step_s"]
         / ours["decode_b8"]["step_s"],
+        **_compile_ratios(ours, n),
     }
+
+
+def _compile_ratios(ours: dict, n: int) -> dict[str, float]:
+    """As-is time over compiled time (>1: compiling helps), when --compile ran."""
+    keys = ["decode_b1", "decode_b8", f"prefill_{n}"]
+    return {f"compile_speedup_{k}": ours[k].get("step_s", ours[k].get("s")) / ours[
+        f"{k}_compiled"].get("step_s", ours[f"{k}_compiled"].get("s"))
+        for k in keys if f"{k}_compiled" in ours}
 
 
 def _batching(preset: str, device: str, args: argparse.Namespace) -> dict[str, float]:
@@ -250,6 +288,11 @@ def _print_table(results: dict) -> None:
             ceiling = 100 * pf["gemm_ceiling_fraction"]
             print(f"  prefill {n}: {100 * pf['flops_fraction']:.0f}% of the matmul peak; its own"
                   f" GEMM shapes, each alone, allow at most {ceiling:.0f}%")
+        if "compile_first_calls_s" in o:
+            print(f"  torch.compile: decode b1 {q['compile_speedup_decode_b1']:.3f}x, b8 "
+                  f"{q['compile_speedup_decode_b8']:.3f}x, prefill {n} "
+                  f"{q[f'compile_speedup_prefill_{n}']:.3f}x as-is time over compiled (>1: "
+                  f"faster compiled); first calls {o['compile_first_calls_s']:.1f} s")
         for key in ("transformers", "llamacpp"):
             if isinstance(r["baselines"].get(key), str):
                 print(f"  {key}: {r['baselines'][key]}")

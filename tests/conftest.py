@@ -66,3 +66,12 @@ def start_server(model: str | Path, *extra: str) -> ServerProcess:
 def launch() -> Callable[..., ServerProcess]:
     """`launch(model, *serve_args)`: start another server (the test stops it)."""
     return start_server
+
+
+@pytest.fixture(scope="session")
+def inductor() -> None:
+    """Skips a test when torch.compile (inductor) cannot compile here (no C++ compiler)."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
+    except Exception as exc:  # no compiler, no headers: the compile flag cannot work here
+        pytest.skip(f"torch.compile (inductor) cannot compile on this machine: {exc!r:.200}")

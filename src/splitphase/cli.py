@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace) -> None:
         shutdown_timeout_s=args.shutdown_timeout,
         health_stall_s=args.health_stall_timeout,
         engine_process=args.engine_process,
+        compile=tuple(p for p in (args.compile or "").split(",") if p),
     )
     serve(config, args.host, args.port, args.log_level)
 
@@ -115,6 +116,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                     help="run the engine in its own process, the default except for "
                     "--policy disaggregated (--no-engine-process: on a thread of the server)")
+    sv.add_argument("--compile", nargs="?", const="prefill,decode", default=None,
+                    metavar="PHASES", help="run the model's passes through torch.compile: "
+                    "prefill, decode or prefill,decode (the default when given alone); see "
+                    "README \"torch.compile\" for where it helps")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = [
     "decode_bw_fraction_b1",
@@ -55,3 +57,22 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
     else:
         assert llama["decode_step_s_b1"] > 0
     assert "dec b1 tok/s" in proc.stdout and f"wrote {out}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_run_with_compile_adds_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "phase_limits.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench" / "phase_limits.py"), "--quick", "--compile",
+           "--dtypes", "float32", "--skip-hf", "--skip-llamacpp", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "InductorError" in proc.stderr:
+        pytest.skip("torch.compile (inductor) cannot compile on this machine")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    ours, ratios = data["dtypes"]["float32"]["ours"], data["dtypes"]["float32"]["ratios"]
+    assert ours["compile_first_calls_s"] > 0
+    for key in ("decode_b1", "decode_b8", "prefill_64"):
+        assert ratios[f"compile_speedup_{key}"] > 0
+        assert ours[f"{key}_compiled"]["flops" if key.startswith("prefill") else "bytes_per_step"]
+    assert "torch.compile: decode b1" in proc.stdout

@@ -10,6 +10,7 @@ from splitphase.engine.llm import LLM
 from splitphase.engine.llm_engine import LLMEngine
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
+from splitphase.model import compiled
 
 PROMPTS = [[0, *range(5, 5 + n)] for n in (3, 17, 40, 9, 33)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -34,6 +35,23 @@ def _no_grad():
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     return [tiny_model.generate(p, 12) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_compiled_engine_matches_reference(inductor, tiny_model, tokenizer, reference):
+    cfg = EngineConfig(policy="chunked", num_blocks=200, max_num_batched_tokens=64,
+                       max_num_seqs=8, compile=["prefill", "decode"])
+    with compiled.switched(False):  # the engine turns compile on process-wide; undone after
+        engine = LLMEngine(tiny_model, tokenizer, cfg)
+        assert compiled.enabled_phases() == ["prefill", "decode"]
+        outs = _run(engine, PROMPTS)
+    assert [o.token_ids for o in outs] == reference
+    assert compiled.enabled_phases() == []
+
+
+def test_compile_phases_are_checked():
+    with pytest.raises(UserError, match="compile phases"):
+        EngineConfig(compile=("train",))
 
 
 @pytest.mark.parametrize("policy", ["mixed", "chunked"])

@@ -72,3 +72,12 @@ def test_the_engine_runs_in_its_own_process_unless_disaggregated() -> None:
     assert not ServerConfig(policy="disaggregated").runs_engine_process
     with pytest.raises(ValueError, match="already runs its engines in worker processes"):
         ServerConfig(policy="disaggregated", engine_process=True)
+
+
+def test_compile_flag() -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve"]).compile is None
+    assert parse(["serve", "--compile"]).compile == "prefill,decode"
+    assert ServerConfig(compile=("prefill",)).engine_kwargs()["compile"] == ("prefill",)
+    assert "compile" not in ServerConfig().engine_kwargs()
+    _one_line(_serve("--compile", "training", "--port", "0"), "--compile takes phases among")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from splitphase.errors import UserError
 
 ENGINE_POLICIES = ("mixed", "chunked", "disaggregated")
+COMPILE_PHASES = ("prefill", "decode")  # splitphase.model.compiled.PHASES, without torch
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,15 @@ class EngineConfig:
     kv_memory_fraction: float = 0.25
     num_blocks: int | None = None  # overrides the byte budget (tests)
     seed: int = 0
+    # Phases whose model passes run through torch.compile (process-wide once the engine is
+    # built; splitphase.model.compiled): (), ("prefill",), ("decode",) or both.
+    compile: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "compile", tuple(self.compile))  # a list from JSON or kwargs
+        bad = [p for p in self.compile if p not in COMPILE_PHASES]
+        if bad:
+            raise UserError(f"compile phases must be among {COMPILE_PHASES}, got {bad}")
         if self.policy not in ENGINE_POLICIES:
             raise UserError(f"policy must be one of {ENGINE_POLICIES}, got {self.policy!r}")
         if (self.policy == "disaggregated") != (self.role in ("prefill", "decode")):

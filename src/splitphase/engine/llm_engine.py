@@ -25,6 +25,7 @@ from splitphase.engine.sampling_params import SamplingParams
 from splitphase.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from splitphase.errors import UserError
 from splitphase.hardware.memory import keep_freed_memory
+from splitphase.model import compiled
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 
@@ -126,6 +127,8 @@ class LLMEngine:
             )
         )
         self.runner = ModelRunner(model, self.cache)
+        if config.compile:  # the switch is process-wide: an engine owns its process's model
+            compiled.set_enabled(True, config.compile)
         self.dtype_bytes = dtype_bytes
         self.steps: list[StepRecord] = []
         self._tracked: dict[str, _Tracked] = {}

@@ -117,10 +117,11 @@ def _try_load() -> KernelStatus:
 
 
 def _on_load() -> None:
-    """What needs the ops registered: FLOP formulas for torch's counter."""
-    from splitphase.kernels import prefill_attention  # it imports this module
+    """What needs the ops registered: FLOP formulas for torch's counter, fakes for dynamo."""
+    from splitphase.kernels import fake, prefill_attention  # prefill_attention imports this
 
     prefill_attention.register_flops()
+    fake.register()
 
 
 def _compile_and_load(cpp_extension: Any, path: Path) -> None:

@@ -8,6 +8,7 @@ fallback and, with the native kernels off, the torch reference).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,11 @@ _SWITCH = build.Switch()
 def set_enabled(on: bool) -> None:
     """Turn the one-call decode pass on or off (the per-op path runs when off)."""
     _SWITCH.on = on
+
+
+def switched(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The one-call decode pass on (or off) inside the block, as it was after it."""
+    return _SWITCH.switched(on)
 
 
 def is_enabled() -> bool:

@@ -180,13 +180,20 @@ class PackedWeight:
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when x @ w.T can take the packed GEMM: fp32 on CPU, prefill-shaped, no autograd."""
+    if torch.compiler.is_compiling():
+        # The packed copy is a Python-side cache keyed on data_ptr, which dynamo cannot trace;
+        # calling it through a graph break (torch.compiler.disable) made dynamo compile every
+        # frame on the way separately, one graph per weight shape, past its recompile limit.
+        return False
+    if not is_enabled():  # before the row check: no guard on rows for a path that is off
+        return False
     if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
         return False
     if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < MIN_ROWS * x.shape[-1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # _mkl_linear has no backward: training keeps torch's linear
-    return w.dim() == 2 and w.is_contiguous() and is_enabled()
+    return w.dim() == 2 and w.is_contiguous()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor | None:

@@ -9,6 +9,8 @@ take the plain torch path, which is the reference.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -30,20 +32,25 @@ def set_enabled(on: bool) -> None:
     _SWITCH.on = on
 
 
+def switched(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Every native kernel on (or off) inside the block, as it was after it."""
+    return _SWITCH.switched(on)
+
+
 def is_enabled() -> bool:
     """True when the native decode path is on and its library loaded."""
     return _SWITCH.on and build.available()
 
 
 def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
+    if not is_enabled():  # first: a compiled graph that runs torch's path must not guard on rows
+        return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (0 < rows <= MAX_ROWS.get(x.dtype, 0) and x.device.type == "cpu"):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    if not all(w.dtype == x.dtype and w.is_contiguous() for w in weights):
-        return False
-    return is_enabled()
+    return all(w.dtype == x.dtype and w.is_contiguous() for w in weights)
 
 
 def _native(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from splitphase.kernels import decode_stack, skinny
+from splitphase.model import compiled
 from splitphase.model.attention_context import AttentionContext, KVCache, NoCache
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import (
@@ -131,9 +132,12 @@ class Transformer(nn.Module):
         """Final-normed hidden states (B, T, D) for token ids (B, T)."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # (B, T, D)
-        fused = self._fused_decode(x, cos, sin, ctx)
+        fused = self._fused_decode(x, cos, sin, ctx)  # one native call beats compiled pieces
         if fused is not None:
             return fused
+        phase = compiled.wanted(self, ids, ctx)
+        if phase is not None:
+            return compiled.run_layers(self, x, cos, sin, ctx, phase)
         layers = cast(list[DecoderLayer], list(self.layers))
         if not layers:
             return self.norm(x)

@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from splitphase.engine.config import COMPILE_PHASES
 from splitphase.errors import UserError
 
 MAX_BODY_BYTES = 4 * 2**20  # 4 MiB: a batch of 2k-token prompts is far smaller; a book is not
@@ -42,6 +43,7 @@ class ServerConfig:
     # the event loop then never holds the GIL the engine's steps need. None: yes, except for
     # disaggregated (its engine already drives worker processes). See `runs_engine_process`.
     engine_process: bool | None = None
+    compile: tuple[str, ...] = ()  # phases run through torch.compile (EngineConfig.compile)
 
     def __post_init__(self) -> None:
         if self.policy not in serve_policies():
@@ -65,6 +67,10 @@ class ServerConfig:
         if self.engine_process and self.policy == "disaggregated":
             raise UserError("--engine-process is for the mixed and chunked policies; the "
                             "disaggregated policy already runs its engines in worker processes")
+        bad = [p for p in self.compile if p not in COMPILE_PHASES]
+        if bad:
+            raise UserError(f"--compile takes phases among {','.join(COMPILE_PHASES)} "
+                            f"(comma-separated), got {','.join(bad)}")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key must not be empty (omit it to serve without a key)")
 
@@ -83,6 +89,8 @@ class ServerConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """EngineConfig fields for `LLM(...)`."""
         kwargs: dict[str, Any] = {"policy": self.policy, "max_num_seqs": self.max_num_seqs}
+        if self.compile:
+            kwargs["compile"] = tuple(self.compile)
         if self.num_blocks is not None:
             kwargs["num_blocks"] = self.num_blocks
         return kwargs
