@@ -13,6 +13,15 @@ def test_greedy_is_argmax():
     assert sample_row(logits, _state(temperature=0)).token_id == 1
 
 
+def test_a_tiny_positive_temperature_is_greedy_not_nan():
+    """5e-324 (the smallest double) divided the logits into inf and the softmax into NaN,
+    failing the engine step for every request in it (found by the OpenAPI fuzz test)."""
+    logits = torch.tensor([0.1, 3.0, 0.2, -40.0])
+    for t in (5e-324, 1e-30, 1e-6):
+        assert sample_row(logits, _state(temperature=t, seed=0)).token_id == 1
+    assert not SamplingParams(temperature=1e-4).is_greedy  # small, but still sampled
+
+
 def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
     logits = torch.randn(50)
     best = int(logits.argmax())

@@ -73,7 +73,7 @@ def sample_row(logits: torch.Tensor, state: SamplingState) -> SampledToken:
     p = state.params
     raw = logits.float().cpu()
     adjusted = _apply_penalties(raw, state)
-    if p.temperature == 0:
+    if p.is_greedy:
         token = int(adjusted.argmax())
     else:
         probs = _filter(adjusted, p).softmax(-1)

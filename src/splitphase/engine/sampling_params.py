@@ -45,6 +45,12 @@ def _check_float(
         raise _fail(name, value, allowed)
 
 
+# Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: logits divided by a tiny
+# positive temperature overflow to inf and the softmax to NaN (5e-324 failed the whole engine
+# step, every request in it), and the distribution is argmax's long before that anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling controls of one request; validated at construction, immutable afterwards."""
@@ -115,8 +121,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when sampling is argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when sampling is argmax: temperature 0, or below GREEDY_BELOW_TEMPERATURE."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (tuples become lists); `SamplingParams(**d)` round-trips."""
