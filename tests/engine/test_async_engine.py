@@ -1,4 +1,6 @@
 import asyncio
+import concurrent.futures
+import threading
 
 import pytest
 
@@ -35,6 +37,18 @@ def test_concurrent_streams_match_reference(async_engine, tiny_model):
     finals = asyncio.run(main())
     assert [f.token_ids for f in finals] == [tiny_model.generate(p, 8) for p in prompts]
     assert async_engine.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_command_whose_caller_gave_up_still_runs_and_the_loop_lives(async_engine):
+    """A caller cancelled by a client timeout cancels its command's future; setting a result
+    on it crashed the engine loop (every later request 503)."""
+    ran = threading.Event()
+    gave_up: concurrent.futures.Future[None] = concurrent.futures.Future()
+    gave_up.cancel()
+    async_engine._put_command(ran.set, gave_up)
+    assert ran.wait(5)  # an abort whose caller left must still take effect
+    final = asyncio.run(_collect(async_engine, [0, 5, 6], "after"))
+    assert len(final.token_ids) == 8 and async_engine.is_running
 
 
 def test_bad_request_raises_to_caller(async_engine):

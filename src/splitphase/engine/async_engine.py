@@ -216,14 +216,29 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # the caller gets the error (e.g. a UserError)
-                fut.set_exception(exc)
+            self._run_command(fn, fut)
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], fut: concurrent.futures.Future[Any]) -> None:
+        """Run one command and hand its result or error to the caller. A caller that gave up
+        (its task cancelled: a client timed out) has cancelled the future; the command still
+        runs (an add must be matched by its abort), and nothing is set on a cancelled future:
+        setting one raised InvalidStateError and crashed the engine loop, every later request
+        answered 503 (seen once in 200 client timeouts). A running future cannot be cancelled,
+        so the set below cannot race a cancel."""
+        listening = fut.set_running_or_notify_cancel()
+        try:
+            result = fn()
+        except BaseException as exc:  # the caller gets the error (e.g. a UserError)
+            if listening:
+                fut.set_exception(exc)
+        else:
+            if listening:
+                fut.set_result(result)
 
     def _run(self) -> None:
         try:
