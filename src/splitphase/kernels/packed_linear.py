@@ -9,16 +9,19 @@ rounding (bit-identical at most shapes; where MKL's unpacked path blocks K diffe
 ulp apart, as torch's own results differ between row counts). One packed copy serves every
 row count, not only the one it was packed at (tests/kernels/test_packed_linear.py checks it).
 
-The cost is memory: MKL's packed copy is ~2.2x the weight (fp32), kept next to the weight that
-decode's skinny kernel reads. Packing is lazy (the first prefill-shaped call per weight), so a
-model that only trains or decodes never pays it. `SPLITPHASE_PACKED_PREFILL` says how much:
-`auto` (the default) packs while all packed copies together take at most
-`AUTO_MEMORY_FRACTION` of the memory available when the first is made (base-125m fp32: ~0.9 GB,
-under 5% of this 24 GiB machine; a model too big for the budget keeps torch's linear for the
-weights past it); `1`/`on` packs every weight; `0`/`off` none. On the 2-core machine, quiet,
-`bench/prefill_ab.py --variants model packed` measured packed prefills 0.906x the time of
-torch's linear at 512 tokens and 0.927x at 2048 (once element-wise passes and attention ran on
-torch's OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
+The cost is memory: MKL allocates ~2.2x the weight (fp32) for a packed copy, of which about
+half is touched (base-125m fp32: 396 MiB of linear weights, 1060 MiB allocated for their packed
+copies and the Q/K/V stack, 457 MiB more resident), kept next to the weight that decode's
+skinny kernel reads. Packing is lazy (the first prefill-shaped call per weight), so a model
+that only trains or decodes never pays it. `SPLITPHASE_PACKED_PREFILL` says how much: `auto`
+(the default) packs while all packed copies together, counted as allocated, take at most
+`AUTO_MEMORY_FRACTION` of the memory available when the first is made (base-125m fp32: under
+5% of this 24 GiB machine; a model too big for the budget keeps torch's linear for the weights
+past it); `1`/`on` packs every weight; `0`/`off` none. On the 2-core machine, quiet,
+`bench/prefill_ab.py` measured packed prefills at 0.906x and 0.927x the time of torch's linear
+at 512 and 2048 tokens, and in a later run torch's linear (`--variants model unpacked`) at
+1.083x and 1.020x the packed time (once element-wise passes and attention ran on torch's
+OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
 """
 
 from __future__ import annotations
