@@ -22,6 +22,13 @@ def test_a_tiny_positive_temperature_is_greedy_not_nan():
     assert not SamplingParams(temperature=1e-4).is_greedy  # small, but still sampled
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_likeliest_token():
+    """top_p 5e-324 is 0 in fp32: every token was dropped and the softmax was NaN."""
+    logits = torch.tensor([0.1, 3.0, 0.2, -40.0])
+    for top_p in (5e-324, 1e-45):
+        assert sample_row(logits, _state(temperature=1.0, top_p=top_p, seed=0)).token_id == 1
+
+
 def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
     logits = torch.randn(50)
     best = int(logits.argmax())

@@ -61,6 +61,9 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits, order = logits.sort(descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+        # The likeliest token always stays (vLLM does the same): a top_p that rounds to 0 in
+        # fp32 (5e-324) dropped every token, NaN probabilities, a failed step for all its rows.
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if p.min_p > 0.0:
         probs = logits.softmax(-1)
