@@ -170,8 +170,12 @@ def test_killed_decode_worker_fails_fast_then_is_restarted(disagg: ServerProcess
     runner.join(30)
     failed_in_s = time.monotonic() - killed_at
     assert not runner.is_alive() and len(results) == 3
-    assert all(o.explicit_error and o.error_code == "worker_unavailable" for o in results), [
-        (o.status, o.error_code, o.malformed) for o in results]
+    # A stream that had started ends with an error event; one the front end had not yet
+    # admitted when the worker died (the first tokens can come from two streams before the
+    # third is in) is refused with a 503 of the same code. Either way explicit, none lost.
+    assert all((o.explicit_error or o.refused) and o.error_code == "worker_unavailable"
+               for o in results), [(o.status, o.error_code, o.malformed) for o in results]
+    assert sum(o.explicit_error for o in results) >= 1  # the kill did cut a running stream
     assert failed_in_s < 10
     health, restart_s = wait_for(lambda: httpx.get(disagg.url + "/health", timeout=10).json(),
                                  lambda h: h["status"] == "ok" and h["worker_restarts"] >= 1,
