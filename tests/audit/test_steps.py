@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from splitphase.audit import flops as fl
+from splitphase.audit.policies import PolicyResult
 from splitphase.audit.steps import Workload, cost, profile, run_steps, utilization
 from splitphase.audit.steps.optimizations import (
+    batching_policy,
     dual_flow_decode,
     moe_decode_top_k,
     quantized_weights,
@@ -167,3 +169,20 @@ def test_projected_optimizations_use_the_cost_model() -> None:
     moe_util = utilization(profile(_sweep()), moe, HW)
     topk = moe_decode_top_k(moe_util, moe, HW)
     assert topk.applicable and (topk.speedup or 0) > 1.0
+
+
+def test_batching_policy_gain_is_against_the_policy_the_engine_runs() -> None:
+    results = [PolicyResult("mixed", 0.005, 0.500, 0.6, 100.0),
+               PolicyResult("chunked", 0.004, 0.060, 0.2, 120.0),
+               PolicyResult("disaggregated", 0.004, 0.006, 0.02, 300.0)]
+    running_chunked = batching_policy(results, "chunked")
+    assert running_chunked.name == "batching policy: disaggregated"
+    assert running_chunked.before == 0.060 and running_chunked.after == 0.006
+    assert running_chunked.applicable and running_chunked.speedup == pytest.approx(10.0)
+    assert "against chunked; the audited engine runs chunked" in running_chunked.detail
+    # Already on the best policy: nothing to change.
+    assert not batching_policy(results, "disaggregated").applicable
+    # Unknown policy: the measured range.
+    unknown = batching_policy(results, None)
+    assert unknown.before == 0.500 and unknown.speedup == pytest.approx(500 / 6)
+    assert unknown.applicable and "against mixed" in unknown.detail
