@@ -91,6 +91,20 @@ def test_written_report_embeds_every_plot(doc: dict, tmp_path: Path) -> None:
     validate_report(json.loads((out / "report.json").read_text()))
 
 
+def test_a_flat_ttft_fit_is_not_reported_as_growth(doc: dict, tmp_path: Path) -> None:
+    grows = write_report(tmp_path / "up", _clean(doc), doc["_itl"])
+    slope_us = doc["profile"]["ttft_slope_s_per_token"] * 1e6
+    assert slope_us > 0
+    assert f"TTFT grows {slope_us:.0f} us per prompt token" in (grows / "report.md").read_text()
+    flat = copy.deepcopy(_clean(doc))
+    flat["profile"]["ttft_slope_s_per_token"] = -2.6e-5  # noise over short prompts
+    out = write_report(tmp_path / "flat", flat, doc["_itl"])
+    for page in ("report.md", "report.html"):
+        text = (out / page).read_text()
+        assert "TTFT grows" not in text
+        assert "TTFT does not grow with the prompt at these lengths (fitted slope -26 us" in text
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}")
 def test_html_opens_in_headless_chromium(doc: dict, tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")

@@ -16,6 +16,18 @@ def seconds(x: float | None) -> str:
     return f"{x * 1e6:.0f} us"
 
 
+def ttft_slope(slope_s: float | None, r2: float | None) -> str:
+    """The profile's TTFT-vs-prompt-length fit as a sentence ("" when there was no fit)."""
+    if slope_s is None:
+        return ""
+    fit = "" if r2 is None else f", r² {r2:.2f}"
+    if slope_s > 0:
+        return f"TTFT grows {seconds(slope_s)} per prompt token{fit}. "
+    # A flat or falling fit is noise over prompts too short for prefill to dominate TTFT.
+    return (f"TTFT does not grow with the prompt at these lengths (fitted slope "
+            f"{seconds(slope_s)} per token{fit}): queueing and per-step overhead dominate it. ")
+
+
 def pct(x: float | None) -> str:
     """A fraction as a percentage: 0.31 -> 31%."""
     if x is None:

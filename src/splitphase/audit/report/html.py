@@ -133,12 +133,7 @@ def _profile(doc: dict[str, Any], plots: dict[str, str]) -> str:
         ],
         rows,
     )
-    slope = prof["ttft_slope_s_per_token"]
-    fit = (
-        f"TTFT grows {fmt.seconds(slope)} per prompt token (r² {prof['ttft_fit_r2']:.2f}). "
-        if slope is not None
-        else ""
-    )
+    fit = fmt.ttft_slope(prof["ttft_slope_s_per_token"], prof["ttft_fit_r2"])
     inter = prof["interference"]
     inter_txt = (
         f"Prefill interference (measured): running streams' inter-token latency was "

@@ -24,9 +24,7 @@ def _profile(doc: dict[str, Any]) -> str:
          fmt.seconds(p["itl"]["p99_s"]), f"{p['decode_batch']:.1f}"]
         for p in prof["points"]
     ]
-    text = "## 1. Profile\n\n"
-    if prof["ttft_slope_s_per_token"] is not None:
-        text += f"TTFT grows {fmt.seconds(prof['ttft_slope_s_per_token'])} per prompt token. "
+    text = "## 1. Profile\n\n" + fmt.ttft_slope(prof["ttft_slope_s_per_token"], prof["ttft_fit_r2"])
     text += f"Phase times are {prof['source']}-side.\n\n"
     header = ["point", "requests", "prompt", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "batch"]
     return text + table_md(header, rows)
