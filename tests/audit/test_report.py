@@ -88,6 +88,7 @@ def test_written_report_embeds_every_plot(doc: dict, tmp_path: Path) -> None:
     assert "<script" not in html and "http://" not in html.replace("openai:http://x", "")
     md = (out / "report.md").read_text()
     assert "## 3. Utilization" in md and "## 5. Cost" in md
+    assert "| prefill busy |" in md and "| step time |" in md  # what each phase's time is
     validate_report(json.loads((out / "report.json").read_text()))
 
 

@@ -82,7 +82,9 @@ def level_rows(doc: dict[str, Any], phase: str) -> list[list[str]]:
     return rows
 
 
-LEVEL_HEADER = [
-    "point", "batch", "FLOP/byte", "bound", "time", "achieved", "FLOP util", "bandwidth util",
-    "tokens/s", "tokens/s at full",
-]
+def level_header(phase: str) -> list[str]:
+    """The header of level_rows: prefill's time is the point's prefill busy time (all its
+    prompts), decode's is one step."""
+    time = "prefill busy" if phase == "prefill" else "step time"
+    return ["point", "batch", "FLOP/byte", "bound", time, "achieved", "FLOP util",
+            "bandwidth util", "tokens/s", "tokens/s at full"]

@@ -184,7 +184,8 @@ def _bottleneck(doc: dict[str, Any], plots: dict[str, str]) -> str:
 def _utilization(doc: dict[str, Any], plots: dict[str, str]) -> str:
     body = _figure(plots, "utilization", "utilization per phase")
     for phase in ("prefill", "decode"):
-        body += f"<h3>{phase}</h3>" + table_html(fmt.LEVEL_HEADER, fmt.level_rows(doc, phase))
+        table = table_html(fmt.level_header(phase), fmt.level_rows(doc, phase))
+        body += f"<h3>{phase}</h3>" + table
     marginal = doc["prefill"].get("marginal_flops_utilization")
     if marginal is not None:
         body += (

@@ -39,7 +39,8 @@ def _phases(doc: dict[str, Any]) -> str:
     )
     text += "\n## 3. Utilization\n\n"
     for phase in ("prefill", "decode"):
-        text += f"### {phase}\n\n" + table_md(fmt.LEVEL_HEADER, fmt.level_rows(doc, phase)) + "\n"
+        table = table_md(fmt.level_header(phase), fmt.level_rows(doc, phase))
+        text += f"### {phase}\n\n{table}\n"
     return text
 
 
