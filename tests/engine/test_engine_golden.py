@@ -183,6 +183,10 @@ def test_prompt_over_context_is_a_clear_error(tiny_model, tokenizer):
         engine.add_request([1] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(UserError, match="outside the vocabulary"):
         engine.add_request([10**6], SamplingParams(max_tokens=1))
+    # Refused at admission: in the sampler it would fail the step for every request in it.
+    with pytest.raises(UserError, match="logit_bias has token ids .10000000. outside"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=1, logit_bias={10**7: 5.0}))
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,19 @@ def test_logprobs_are_raw_log_softmax():
     ref = logits.log_softmax(-1)
     assert abs(tok.logprob - float(ref[tok.token_id])) < 1e-6
     assert [t for t, _ in tok.top_logprobs] == [2, 1]
+
+
+def test_logit_bias_bans_and_forces_tokens_greedy_and_sampled():
+    logits = torch.tensor([0.1, 3.0, 0.2, 1.0])
+    assert sample_row(logits, _state(temperature=0, logit_bias={1: -100})).token_id == 3
+    assert sample_row(logits, _state(temperature=0, logit_bias={1: -1.0})).token_id == 1
+    for seed in range(20):  # +100 is exclusive selection under sampling too
+        state = _state(temperature=1.0, seed=seed, logit_bias={2: 100})
+        assert sample_row(logits, state).token_id == 2
+
+
+def test_logprobs_ignore_logit_bias():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    tok = sample_row(logits, _state(temperature=0, logprobs=1, logit_bias={0: 100}))
+    assert tok.token_id == 0
+    assert abs(tok.logprob - float(logits.log_softmax(-1)[0])) < 1e-6

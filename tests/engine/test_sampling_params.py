@@ -37,6 +37,20 @@ def test_stop_accepts_a_single_string_or_a_list() -> None:
     assert SamplingParams(stop=["a"]).to_dict()["stop"] == ["a"]
 
 
+def test_logit_bias_is_sorted_pairs_from_a_dict_or_pairs_and_round_trips() -> None:
+    sp = SamplingParams(logit_bias={9: -100, 2: 0.5})
+    assert sp.logit_bias == ((2, 0.5), (9, -100.0))
+    assert SamplingParams(logit_bias=[(9, -100), (2, 0.5)]) == sp
+    assert SamplingParams(**sp.to_dict()) == sp and sp.to_dict()["logit_bias"] == [[2, 0.5],
+                                                                                   [9, -100.0]]
+
+
+@pytest.mark.parametrize("bias", [100.5, -math.inf, math.nan, "1", True])
+def test_a_bad_logit_bias_value_names_its_token(bias: object) -> None:
+    with pytest.raises(SamplingParamsError, match=r"^logit_bias\[5\] must be .*got"):
+        SamplingParams(logit_bias={3: 1.0, 5: bias})
+
+
 def test_frozen() -> None:
     sp = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -61,6 +75,8 @@ BAD = [
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", math.nan),
     ("frequency_penalty", 3), ("frequency_penalty", math.inf),
     ("n", 0), ("n", MAX_N + 1), ("n", True), ("n", 2.0),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {True: 1.0}), ("logit_bias", {"5": 1.0}),
+    ("logit_bias", [(5,)]), ("logit_bias", 5),
 ]
 
 

@@ -77,7 +77,11 @@ CASES: list[tuple[str, str, bytes, int]] = [
     ("empty messages list", CHAT, _j({"messages": []}), 400),
     ("messages not a list", CHAT, _j({"messages": "hello"}), 400),
     ("unknown model", C, _j({"prompt": "x", "model": "gpt-4o"}), 400),
-    ("logit_bias (unsupported)", C, _j({"prompt": "x", "logit_bias": {"5": 100}}), 400),
+    ("logit_bias key not a token id", C, _j({"prompt": "x", "logit_bias": {"five": 100}}), 400),
+    ("logit_bias key out of vocabulary", C, _j({"prompt": "x", "logit_bias": {"99999999": 1}}),
+     400),
+    ("logit_bias value out of range", C, _j({"prompt": "x", "logit_bias": {"5": 101}}), 400),
+    ("logit_bias value not a number", C, _j({"prompt": "x", "logit_bias": {"5": "big"}}), 400),
     # Accepted on purpose: escaped control characters are valid text, and unknown fields are
     # ignored because benchmark clients (guidellm, vllm bench, lm-eval) send extras.
     ("escaped control characters (served)", C,

@@ -161,6 +161,21 @@ def test_stop_strings_and_penalties_are_accepted(client: openai.OpenAI, model: s
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, model: str) -> None:
+    kwargs = dict(model=model, prompt="a b c", max_tokens=4, temperature=0, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    first = client.completions.create(**kwargs).choices[0].logprobs.tokens[0]  # type: ignore[call-overload]
+    ids = [i for i in range(TOK.vocab_size) if TOK.decode([i]) == first]  # the greedy token
+    ban = {str(i): -100 for i in ids}
+    banned = client.completions.create(**kwargs, logit_bias=ban)  # type: ignore[call-overload]
+    assert ids and banned.choices[0].logprobs.tokens[0] != first
+    word = next(i for i in range(TOK.vocab_size) if TOK.decode([i]) == " the")
+    forced = client.chat.completions.create(model=model, max_tokens=3, temperature=1.0,
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            logit_bias={str(word): 100})
+    assert forced.choices[0].message.content == " the" * 3
+
+
 def test_streamed_echo_n2_logprobs_equal_non_streamed(client: openai.OpenAI, model: str) -> None:
     kwargs = dict(model=model, prompt="Scores: one two", max_tokens=5, n=2, seed=11, echo=True,
                   logprobs=2, temperature=1.0, extra_body={"ignore_eos": True})

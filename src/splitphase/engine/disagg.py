@@ -271,7 +271,7 @@ class DisaggregatedEngine:
         return rid
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(ids, params.max_tokens, self.vocab_size, self.max_model_len)
+        validate_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED

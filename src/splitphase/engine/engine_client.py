@@ -101,7 +101,7 @@ class EngineCoreClient:
         params = params or SamplingParams()
         ids = (self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str)
                else list(prompt))
-        validate_prompt(ids, params.max_tokens, self.vocab_size, self.max_model_len)
+        validate_prompt(ids, params, self.vocab_size, self.max_model_len)
         rid = request_id or f"core-req-{next(self._ids)}"
         # perf_counter is one clock for every process on the host: queue time counts the pipe.
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s

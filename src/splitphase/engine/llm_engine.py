@@ -175,7 +175,7 @@ class LLMEngine:
         return rid
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(ids, params.max_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        validate_prompt(ids, params, self.model.cfg.vocab_size, self.max_model_len)
 
     def _track(self, req: Request, params: SamplingParams, seed_offset: int = 0) -> _Tracked:
         seed = (params.seed + seed_offset) % 2**64 if params.seed is not None else None

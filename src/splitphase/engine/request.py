@@ -236,15 +236,24 @@ def _check_time(name: str, value: object) -> None:
         raise RequestError(f"{name} must be a finite number of seconds, got {value!r}")
 
 
-def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
-    """A prompt an engine can serve: non-empty, in the vocabulary, fits with its max_tokens."""
+def validate_prompt(
+    ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """A request an engine can serve: a non-empty prompt in the vocabulary that fits with its
+    max_tokens, and logit_bias on tokens of the vocabulary (one outside it would fail the
+    sampler, so the whole step, for every request in it)."""
     if not ids:
         raise UserError("the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise UserError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    if len(ids) + max_tokens > max_model_len:
+    biased = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if biased:
+        raise UserError(f"logit_bias has token ids {biased[:5]} outside the vocabulary "
+                        f"[0, {vocab_size})")
+    if len(ids) + params.max_tokens > max_model_len:
+        total = len(ids) + params.max_tokens
         raise UserError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens}"
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
             f" exceeds the context length {max_model_len}"
         )

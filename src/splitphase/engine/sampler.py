@@ -2,7 +2,7 @@
 
 Each seeded request owns a torch.Generator, so its draws do not depend on what else is in the
 batch (same seed + same prompt = same output). Logprobs are the model's own distribution
-(log_softmax of the raw logits, before penalties and temperature), as OpenAI and vLLM report.
+(log_softmax of the raw logits, before penalties, logit_bias and temperature), as vLLM reports.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def _apply_penalties(logits: torch.Tensor, state: SamplingState) -> torch.Tensor
     return logits
 
 
+def _apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's bias added to its logit before sampling."""
+    if not p.logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+    bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
+    return logits.index_add(0, ids, bias)
+
+
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (vLLM's order)."""
     logits = logits / p.temperature
@@ -75,7 +84,7 @@ def sample_row(logits: torch.Tensor, state: SamplingState) -> SampledToken:
     """Sample one token from logits (V,) for one sequence and record it in its state."""
     p = state.params
     raw = logits.float().cpu()
-    adjusted = _apply_penalties(raw, state)
+    adjusted = _apply_logit_bias(_apply_penalties(raw, state), p)
     if p.is_greedy:
         token = int(adjusted.argmax())
     else:

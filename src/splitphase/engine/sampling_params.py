@@ -6,7 +6,7 @@ Plain Python (no torch) so the server, the scheduler and the simulator can all u
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a uint64
 # Every stop string is searched after every token on the engine thread, which all requests
 # share: thousands of them would slow everyone (OpenAI allows 4; lm-eval sends a handful).
 MAX_STOP = 64
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one token's bias: -100 bans it, 100 forces it
 
 
 class SamplingParamsError(ValueError):
@@ -69,6 +70,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     n: int = 1
+    # Added to a token's logit before sampling (OpenAI's logit_bias): (token id, bias) pairs
+    # (a {id: bias} dict is accepted too), stored sorted by id (immutable, JSON-friendly).
+    logit_bias: Sequence[tuple[int, float]] = ()
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
@@ -90,6 +94,7 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
+        object.__setattr__(self, "logit_bias", self._normalize_bias(self.logit_bias))
 
     @staticmethod
     def _normalize_stop(stop: object) -> tuple[str, ...]:
@@ -119,6 +124,26 @@ class SamplingParams:
                 raise _fail("stop_token_ids", ids, "a list of token ids (integers >= 0)")
         return tuple(ids)
 
+    @staticmethod
+    def _normalize_bias(bias: object) -> tuple[tuple[int, float], ...]:
+        if bias is None:
+            return ()
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+        allowed = "a map of token ids (integers >= 0) to biases in [-100, 100]"
+        if not isinstance(pairs, (list, tuple)):
+            raise _fail("logit_bias", bias, allowed)
+        out: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise _fail("logit_bias", bias, allowed)
+            token, value = pair
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise _fail("logit_bias", bias, allowed)
+            _check_float(f"logit_bias[{token}]", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT,
+                         "in [-100, 100]")
+            out[token] = float(value)
+        return tuple(sorted(out.items()))
+
     @property
     def is_greedy(self) -> bool:
         """True when sampling is argmax: temperature 0, or below GREEDY_BELOW_TEMPERATURE."""
@@ -129,4 +154,5 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d

@@ -75,7 +75,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = checked_max_tokens(wanted, max(1, room), name)
     top = _top_logprobs(body)
-    params = sampling_params(body, max_tokens, top, state.chat.stop_token_ids())
+    params = sampling_params(body, max_tokens, top, state.vocab_size,
+                             state.chat.stop_token_ids())
     check_context([ids], params.max_tokens, state.max_model_len, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(state, rid, [ids], params)

@@ -68,7 +68,7 @@ async def create_completion(state: ServerState, body: CompletionRequest,
                                       state.vocab_size, state.max_model_len, seats)
     echo = bool(body.echo)
     max_tokens = checked_max_tokens(body.max_tokens, DEFAULT_MAX_TOKENS, allow_zero=echo)
-    params = sampling_params(body, max(1, max_tokens), body.logprobs)
+    params = sampling_params(body, max(1, max_tokens), body.logprobs, state.vocab_size)
     ids = [p for p, _ in prompts]
     check_context(ids, params.max_tokens, state.max_model_len)
     texts = [t if t is not None else state.tokenizer.decode(p) for p, t in prompts]

@@ -83,11 +83,24 @@ def check_context(prompts: Sequence[list[int]], max_tokens: int, max_model_len: 
             )
 
 
-def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}, keys are JSON strings) as {id: bias}; a key
+    that is not a token id of this vocabulary is a 400 (the range of the values is checked
+    by SamplingParams)."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.strip().isdecimal() else -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got "
+                              f"{key!r}", "logit_bias")
+        out[token] = value
+    return out
+
+
+def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None, vocab_size: int,
                     extra_stop_token_ids: Sequence[int] = ()) -> SamplingParams:
     """SamplingParams for a request; a value out of range is a 400 naming field and range."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported; omit it", "logit_bias")
+    bias = logit_bias(req.logit_bias, vocab_size)
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
         raise bad_request(f"best_of must equal n ({n}) or be omitted, got {req.best_of}",
@@ -110,6 +123,7 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             n=n,
+            logit_bias=tuple(bias.items()),
         )
     except SamplingParamsError as exc:
         message = str(exc)
