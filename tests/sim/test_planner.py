@@ -40,6 +40,10 @@ def test_long_prompts_tight_slos_prefer_disaggregation() -> None:
     assert best.verified is not None and best.verified["meets_slo"]
     doc = build_plan(inp, best, cands)
     assert doc["disaggregated_over_colocated_goodput"] == ratio
+    # The lowest probe that missed the SLOs, or the capacity, bounds the goodput from above.
+    assert dis.goodput_per_gpu <= dis.goodput_per_gpu_bounds()[1] <= dis.capacity_rate_per_s
+    assert colo.goodput_per_gpu_bounds()[1] < dis.goodput_per_gpu  # apart: a winner
+    assert any("disaggregated wins" in line for line in doc["summary"])
     assert len(doc["candidates"]) == len(cands) == 8
 
 
@@ -65,3 +69,17 @@ def test_goodput_is_zero_when_the_slo_cannot_be_met() -> None:
     _, best, cands = _plan("poisson:1,prompt=fixed:6000,output=fixed:8", 1.0, 0.001, 0.05, 20)
     assert best is None
     assert all(c.goodput_rate_per_s == 0 for c in cands)
+
+
+def test_goodputs_within_the_search_resolution_are_a_tie() -> None:
+    inp, best, cands = _plan("poisson:1,prompt=lognormal:6000:0.1,output=fixed:32", 4.0,
+                             0.6, 0.012, 40)
+    dis, colo = _best(cands, True), _best(cands, False)
+    # The colocated search as if it had found the disaggregated goodput per GPU, give or take
+    # less than the step between its last passing and failing probes.
+    found, ceiling = dis.goodput_per_gpu_bounds()
+    colo.goodput_rate_per_s = 0.99 * found * colo.unit_gpus
+    colo.failing_rate_per_s = 1.01 * ceiling * colo.unit_gpus
+    lines = build_plan(inp, best, cands)["summary"]
+    assert any("a tie within the goodput search's resolution" in line for line in lines)
+    assert not any(" wins" in line for line in lines)

@@ -88,6 +88,16 @@ class Candidate:
     verified: dict[str, Any] | None = None
     probe_limited: bool = False  # a probe used fewer requests than its horizon asked for
     capacity_rate_per_s: float = 0.0  # saturation throughput (the search's upper end)
+    failing_rate_per_s: float | None = None  # the lowest probed rate that missed the SLOs
+
+    def goodput_per_gpu_bounds(self) -> tuple[float, float]:
+        """(found, ceiling) per GPU: goodput lies between the highest rate that met the SLOs
+        and the lowest that did not (or the capacity the search starts from, which it never
+        exceeds), so two candidates whose ranges overlap are a tie."""
+        ceiling = self.failing_rate_per_s
+        if ceiling is None:
+            ceiling = max(self.capacity_rate_per_s, self.goodput_rate_per_s)
+        return self.goodput_per_gpu, ceiling / self.unit_gpus
 
     @property
     def unit_gpus(self) -> int:
@@ -197,6 +207,8 @@ def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:
         if att >= inp.slo.attainment and rate > cand.goodput_rate_per_s:
             cand.goodput_rate_per_s = rate
             cand.at_goodput = summarize(res, inp.slo, inp.hardware.price_usd_per_hour)
+        if att < inp.slo.attainment:
+            cand.failing_rate_per_s = min(rate, cand.failing_rate_per_s or math.inf)
         return att >= inp.slo.attainment
 
     # From the unit's capacity down by halves until the SLOs hold, then bisect.

@@ -84,6 +84,17 @@ def _top(cands: list[Candidate], policies: tuple[str, ...]) -> Candidate | None:
     return max(pool, key=lambda c: c.goodput_per_gpu, default=None)
 
 
+def _goodput_line(colo: Candidate, dis: Candidate, ratio: float) -> str:
+    """Which deployment serves more per GPU, or a tie where the searches cannot tell."""
+    (c_lo, c_hi), (d_lo, d_hi) = colo.goodput_per_gpu_bounds(), dis.goodput_per_gpu_bounds()
+    if d_lo < c_hi and c_lo < d_hi:
+        verdict = "a tie within the goodput search's resolution"
+    else:
+        verdict = ("disaggregated" if ratio > 1 else "colocated") + " wins"
+    return (f"Goodput per GPU: best disaggregated {dis.goodput_per_gpu:.3g} vs best colocated "
+            f"{colo.goodput_per_gpu:.3g} req/s ({colo.unit.policy}): {ratio:.2f}x, {verdict}.")
+
+
 def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
                ) -> dict[str, Any]:
     """plan.json as a dict."""
@@ -102,10 +113,7 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
             f"(${(best.gpus_needed or 0) * price:.2f}/hour) serves {inp.rate_per_s:g} req/s with "
             f"{v.get('slo_attainment', 0):.0%} of requests inside both SLOs.")
     if colo and dis and ratio is not None:
-        winner = "disaggregated" if ratio > 1 else "colocated"
-        summary.append(
-            f"Goodput per GPU: best disaggregated {dis.goodput_per_gpu:.3g} vs best colocated "
-            f"{colo.goodput_per_gpu:.3g} req/s ({colo.unit.policy}): {ratio:.2f}x, {winner} wins.")
+        summary.append(_goodput_line(colo, dis, ratio))
     return {
         "model": inp.model.name,
         "hardware": {"name": inp.hardware.name, "price_usd_per_hour": price,
