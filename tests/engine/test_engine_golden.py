@@ -1,5 +1,6 @@
 """The paged engine's greedy tokens equal the reference model's `generate`."""
 
+import copy
 import itertools
 
 import pytest
@@ -10,6 +11,7 @@ from splitphase.engine.llm import LLM
 from splitphase.engine.llm_engine import LLMEngine
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
+from splitphase.kernels import build, packed_linear
 from splitphase.model import compiled
 
 PROMPTS = [[0, *range(5, 5 + n)] for n in (3, 17, 40, 9, 33)]
@@ -175,6 +177,28 @@ def test_abort_mid_decode_frees_blocks(tiny_model, tokenizer):
     assert [o.finish_reason for o in outs if o.request_id == rid] == ["abort"]
     assert engine.scheduler.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_construction_warms_up_kernels_and_packed_weights(tiny_model, tokenizer):
+    """Loading the kernels and packing the prefill GEMMs' weights is the engine's start-up
+    cost, not the first request's TTFT."""
+    with torch.inference_mode(False):  # weights with version counters, which packing keys on
+        model = copy.deepcopy(tiny_model)  # fresh, empty packed copies
+    attn = model.layers[0].self_attn
+    assert attn.qkv_packed.nbytes == 0
+    with packed_linear.switched(True):
+        LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
+    assert build.status().loaded or build.status().reason != "not built yet"
+    if packed_linear.available():
+        assert attn.qkv_packed.nbytes > 0 and model.layers[-1].mlp.down_proj.packed.nbytes > 0
+    # Weights made under inference_mode cannot be packed (no version counter): torch's linear.
+    inference_copy = copy.deepcopy(tiny_model)
+    assert inference_copy.layers[0].self_attn.q_proj.weight.is_inference()
+    engine = LLMEngine(inference_copy, tokenizer, EngineConfig(num_blocks=64))
+    assert inference_copy.layers[0].self_attn.qkv_packed.nbytes == 0
+    engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_prompt_over_context_is_a_clear_error(tiny_model, tokenizer):

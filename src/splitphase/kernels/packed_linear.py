@@ -161,6 +161,11 @@ class PackedWeight:
             self._packed, self._stacked, self._key, self._bytes = packed, stacked, key, nbytes
         return self._packed, self._stacked
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this packed copy (and its stack) hold; 0 before the first prefill-shaped call."""
+        return self._bytes
+
     def _drop(self) -> None:
         if self._bytes:
             _BUDGET.release(self._bytes)
@@ -196,7 +201,9 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # _mkl_linear has no backward: training keeps torch's linear
-    return w.dim() == 2 and w.is_contiguous()
+    # An inference tensor (a weight made under inference_mode) has no version counter to key
+    # its packed copy on, so an in-place change could not be noticed.
+    return w.dim() == 2 and w.is_contiguous() and not w.is_inference()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor | None:
