@@ -1,6 +1,6 @@
 """Fixtures shared across the suite."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +75,14 @@ def inductor() -> None:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
     except Exception as exc:  # no compiler, no headers: the compile flag cannot work here
         pytest.skip(f"torch.compile (inductor) cannot compile on this machine: {exc!r:.200}")
+
+
+@pytest.fixture(scope="session")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread from first use to the end of the session: an in-process server's
+    engine and its clients share the machine's 2 cores (the server and reliability suites
+    turn it on for all their tests)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from splitphase.engine.llm import LLM
 from splitphase.reliability.inproc import InProcessServer
@@ -26,11 +25,8 @@ OUT_ENV = "SPLITPHASE_RELIABILITY_OUT"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every reliability test runs with torch on one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

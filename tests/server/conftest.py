@@ -6,17 +6,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from splitphase.server.process import ServerProcess
 
 
 @pytest.fixture(scope="session", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every server test runs with torch on one thread (tests/conftest.py)."""
 
 
 # The engine on a thread of the server, or in its own process: every route behaves the same.

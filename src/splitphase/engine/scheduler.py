@@ -2,7 +2,8 @@
 
 Loop contract (vLLM v1 vocabulary): `out = schedule(now_s)`; the runner executes `out`
 (block copies and KV loads first, then one forward pass); `update_from_output(out, sampled,
-now_s)` appends the sampled tokens, applies stop rules and frees finished requests' blocks.
+now_s)` appends the sampled tokens, applies the stop rules (`stop.py`) and frees finished
+requests' blocks.
 One step is in flight at a time. Token positions: a `ScheduledChunk` feeds positions
 [start, start + num_tokens) and attends over [0, start + num_tokens); row i of the
 `DecodeBatch` feeds token_ids[i] at position positions[i] and attends over
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from splitphase.engine import policies
 from splitphase.engine.block_manager import BlockManager
@@ -40,6 +41,7 @@ from splitphase.engine.scheduler_config import (
     SchedulerConfig,
     SchedulerError,
 )
+from splitphase.engine.stop import StopChecker, check_stop
 
 __all__ = [
     "DecodeBatch",
@@ -52,9 +54,6 @@ __all__ = [
     "SchedulerError",
     "SchedulerOutput",
 ]
-
-StopChecker = Callable[[Request], bool]
-
 
 _PLANS = {
     ("mixed", None): policies.plan_mixed,
@@ -245,6 +244,7 @@ class Scheduler:
         bm, running = self.block_manager, RequestStatus.RUNNING
         caching = bm.enable_prefix_caching
         get = sampled_token_ids.get
+        eos, max_len = self.config.eos_token_id, self.max_model_len
         for rid, req in zip(request_ids, requests, strict=True):
             if req.status is not running:
                 continue
@@ -256,7 +256,7 @@ class Scheduler:
                 self._sampled(sampled_token_ids, rid, 1)  # raises, naming what is missing
                 continue
             req.append_output_token(tokens[0], now_s)
-            status = self._check_stop(req, stop_checker)
+            status = check_stop(req, eos, max_len, stop_checker)
             if status is not None:
                 self._finish(req, status, now_s)
                 finished.append(req)
@@ -277,27 +277,10 @@ class Scheduler:
         finished: list[Request],
     ) -> None:
         req.append_output_token(token_id, now_s)
-        status = self._check_stop(req, stop_checker)
+        status = check_stop(req, self.config.eos_token_id, self.max_model_len, stop_checker)
         if status is not None:
             self._finish(req, status, now_s)
             finished.append(req)
-
-    def _check_stop(self, req: Request, stop_checker: StopChecker | None) -> RequestStatus | None:
-        # Stop conditions win over length: a final eos reads as "stop", as OpenAI reports it.
-        sp, outputs = req.sampling_params, req.output_token_ids
-        token_id = outputs[-1]
-        if not sp.ignore_eos:
-            eos = req.eos_token_id if req.eos_token_id is not None else self.config.eos_token_id
-            if token_id == eos:
-                return RequestStatus.FINISHED_STOPPED
-        if token_id in sp.stop_token_ids or (stop_checker is not None and stop_checker(req)):
-            return RequestStatus.FINISHED_STOPPED
-        num_outputs = len(outputs)  # num_output_tokens and num_tokens, read once per token
-        if num_outputs >= sp.max_tokens or len(req.prompt_token_ids) + num_outputs >= (
-            self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _spawn_children(
         self,

@@ -9,12 +9,10 @@ builds ahead of time (`make kernels`).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,22 +38,6 @@ def source_digest() -> str:
     for path in SOURCES + HEADERS:
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
-
-
-@dataclass
-class Switch:
-    """A process-wide on/off for one native path (benchmarks measure its effect)."""
-
-    on: bool = True
-
-    @contextlib.contextmanager
-    def switched(self, on: bool) -> Iterator[None]:
-        """On (or off) inside the block, as it was after it."""
-        before, self.on = self.on, on
-        try:
-            yield
-        finally:
-            self.on = before
 
 
 @dataclass

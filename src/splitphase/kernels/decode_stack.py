@@ -8,12 +8,12 @@ fallback and, with the native kernels off, the torch reference).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import skinny
+from splitphase.kernels.switch import Switch, switch_functions
 
 
 @dataclass(frozen=True)
@@ -27,22 +27,15 @@ class DecodePlan:
     lengths: torch.Tensor  # (B,) real slots per row
 
 
-_SWITCH = build.Switch()
+_SWITCH = Switch()
 
 
-def set_enabled(on: bool) -> None:
-    """Turn the one-call decode pass on or off (the per-op path runs when off)."""
-    _SWITCH.on = on
-
-
-def switched(on: bool) -> contextlib.AbstractContextManager[None]:
-    """The one-call decode pass on (or off) inside the block, as it was after it."""
-    return _SWITCH.switched(on)
-
-
-def is_enabled() -> bool:
-    """True when the fused pass is on and the native kernels are usable."""
-    return _SWITCH.on and skinny.is_enabled()
+set_enabled, switched, is_enabled = switch_functions(
+    _SWITCH, requires=skinny.is_enabled, module=__name__,
+    set_doc="Turn the one-call decode pass on or off (the per-op path runs when off).",
+    switched_doc="The one-call decode pass on (or off) inside the block, as it was after it.",
+    enabled_doc="True when the fused pass is on and the native kernels are usable.",
+)
 
 
 def usable(x: torch.Tensor, weights: list[torch.Tensor], plan: DecodePlan) -> bool:

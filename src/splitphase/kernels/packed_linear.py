@@ -37,7 +37,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from splitphase.errors import UserError
 from splitphase.hardware.memory import available_host_memory_bytes
-from splitphase.kernels import build
+from splitphase.kernels.switch import Switch, switch_functions
 
 # Below this many rows a linear is decode-shaped: the skinny kernel (or plain torch) serves it
 # and the packing would not pay for its memory.
@@ -50,7 +50,7 @@ AUTO_MEMORY_FRACTION = 0.10
 _MODE = os.environ.get("SPLITPHASE_PACKED_PREFILL", "auto").lower()
 if _MODE not in ("auto", "1", "on", "0", "off"):
     raise UserError(f"SPLITPHASE_PACKED_PREFILL must be auto, on or off, got {_MODE!r}")
-_SWITCH = build.Switch(on=_MODE != "0" and _MODE != "off")
+_SWITCH = Switch(on=_MODE != "0" and _MODE != "off")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -80,17 +80,6 @@ class _Budget:
 _BUDGET = _Budget(limited=_MODE == "auto")
 
 
-
-def set_enabled(on: bool) -> None:
-    """Turn packed prefill linears on or off for this process (torch's linear when off)."""
-    _SWITCH.on = on
-
-
-def switched(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Packed prefill linears on (or off) inside the block, as they were after it."""
-    return _SWITCH.switched(on)
-
-
 def mode() -> str:
     """How prefill linears pack now: "auto" (within the memory budget), "on" (all), "off"."""
     if not is_enabled():
@@ -98,14 +87,17 @@ def mode() -> str:
     return "auto" if _BUDGET.limited else "on"
 
 
-def is_enabled() -> bool:
-    """True when packed prefill linears are on and this torch has MKL's packed GEMM."""
-    return _SWITCH.on and available()
-
-
 def available() -> bool:
     """True when this torch has MKL's packed GEMM (whether or not it is switched on)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+set_enabled, switched, is_enabled = switch_functions(
+    _SWITCH, requires=available, module=__name__,
+    set_doc="Turn packed prefill linears on or off for this process (torch's linear when off).",
+    switched_doc="Packed prefill linears on (or off) inside the block, as they were after it.",
+    enabled_doc="True when packed prefill linears are on and this torch has MKL's packed GEMM.",
+)
 
 
 def _mkl_linear_flops(

@@ -10,7 +10,6 @@ multiple of 16; anything else (GPU, bf16, autograd) is left to the caller's torc
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,24 +18,19 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import skinny
+from splitphase.kernels.switch import Switch, switch_functions
 
-_SWITCH = build.Switch()
-
-
-def set_enabled(on: bool) -> None:
-    """Turn the native prefill attention on or off for this process (torch SDPA when off)."""
-    _SWITCH.on = on
+_SWITCH = Switch()
 
 
-def switched(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Native prefill attention on (or off) inside the block, as it was after it."""
-    return _SWITCH.switched(on)
-
-
-def is_enabled() -> bool:
-    """True when this path is on and the native kernels are (SPLITPHASE_KERNELS=0 turns all off)."""
-    return _SWITCH.on and skinny.is_enabled()
+set_enabled, switched, is_enabled = switch_functions(
+    _SWITCH, requires=skinny.is_enabled, module=__name__,
+    set_doc="Turn the native prefill attention on or off for this process (torch SDPA when off).",
+    switched_doc="Native prefill attention on (or off) inside the block, as it was after it.",
+    enabled_doc=("True when this path is on and the native kernels are "
+                 "(SPLITPHASE_KERNELS=0 turns all off)."),
+)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

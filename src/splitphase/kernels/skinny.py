@@ -9,12 +9,11 @@ take the plain torch path, which is the reference.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
 from splitphase.kernels import build, elementwise
+from splitphase.kernels.switch import Switch, switch_functions
 
 # Rows up to which the kernel beats torch, measured on the 2-core AVX-512 machine, quiet
 # (`bench/skinny_rows.py [--dtype bfloat16]`: base-125m's MLP linears, weights from memory):
@@ -24,22 +23,15 @@ from splitphase.kernels import build, elementwise
 MAX_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 
 
-_SWITCH = build.Switch()
+_SWITCH = Switch()
 
 
-def set_enabled(on: bool) -> None:
-    """Turn the native decode path on or off for this process (torch fallback when off)."""
-    _SWITCH.on = on
-
-
-def switched(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Every native kernel on (or off) inside the block, as it was after it."""
-    return _SWITCH.switched(on)
-
-
-def is_enabled() -> bool:
-    """True when the native decode path is on and its library loaded."""
-    return _SWITCH.on and build.available()
+set_enabled, switched, is_enabled = switch_functions(
+    _SWITCH, requires=build.available, module=__name__,
+    set_doc="Turn the native decode path on or off for this process (torch fallback when off).",
+    switched_doc="Every native kernel on (or off) inside the block, as it was after it.",
+    enabled_doc="True when the native decode path is on and its library loaded.",
+)
 
 
 def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:

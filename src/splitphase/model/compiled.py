@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import skinny
+from splitphase.kernels.switch import PhaseSwitches
 
 if TYPE_CHECKING:
     from splitphase.model.attention_context import AttentionContext
@@ -48,56 +49,40 @@ def _env_phases() -> set[str]:
     return {p for p in PHASES if p in value.split(",")}
 
 
-_SWITCHES = {phase: build.Switch(on=phase in _env_phases()) for phase in PHASES}
+_SWITCHES = PhaseSwitches("compile phases", {p: p in _env_phases() for p in PHASES})
 # Whether a phase's compiled pieces call the native kernels (as opaque ops) or the torch
 # reference, which inductor then fuses; measured (bench/compile_ab.py, README): in prefill
 # inductor's fused torch path ran 1-2% faster than the native element-wise passes; in decode
 # the pieces took 1.12x / 1.13x eager's time at b1 / b8 with the skinny kernel, 1.21x / 2.0x
 # with torch's matrix-vector product.
-_NATIVE_IN_GRAPH = {"prefill": build.Switch(on=False), "decode": build.Switch(on=True)}
+_NATIVE_IN_GRAPH = PhaseSwitches("compile phases", {"prefill": False, "decode": True})
 
 
 def set_enabled(on: bool, phases: Iterable[str] = PHASES) -> None:
     """Compile (or not) the given phases' passes for this process."""
-    for phase in _checked(phases):
-        _SWITCHES[phase].on = on
+    _SWITCHES.set(on, phases)
 
 
-@contextlib.contextmanager
-def switched(on: bool, phases: Iterable[str] = PHASES) -> Iterator[None]:
+def switched(on: bool, phases: Iterable[str] = PHASES) -> contextlib.AbstractContextManager[None]:
     """The given phases compiled (or not) inside the block, as they were after it."""
-    with contextlib.ExitStack() as stack:
-        for phase in _checked(phases):
-            stack.enter_context(_SWITCHES[phase].switched(on))
-        yield
+    return _SWITCHES.switched(on, phases)
 
 
 def is_enabled(phase: str) -> bool:
     """True when this phase's passes run compiled."""
-    return _SWITCHES[_checked([phase])[0]].on
+    return _SWITCHES.is_on(phase)
 
 
 def enabled_phases() -> list[str]:
     """The phases compiled now, in PHASES order."""
-    return [p for p in PHASES if _SWITCHES[p].on]
+    return _SWITCHES.names_on()
 
 
-@contextlib.contextmanager
-def native_in_graph(on: bool, phases: Iterable[str] = PHASES) -> Iterator[None]:
+def native_in_graph(on: bool, phases: Iterable[str] = PHASES
+                    ) -> contextlib.AbstractContextManager[None]:
     """Inside the block these phases' compiled pieces call the native kernels (on) or the
     torch reference that inductor fuses (off); benchmarks compare the two."""
-    with contextlib.ExitStack() as stack:
-        for phase in _checked(phases):
-            stack.enter_context(_NATIVE_IN_GRAPH[phase].switched(on))
-        yield
-
-
-def _checked(phases: Iterable[str]) -> list[str]:
-    out = list(phases)
-    bad = [p for p in out if p not in PHASES]
-    if bad:
-        raise ValueError(f"compile phases are {PHASES}, got {bad}")
-    return out
+    return _NATIVE_IN_GRAPH.switched(on, phases)
 
 
 def phase_of(ids: torch.Tensor, ctx: AttentionContext) -> str:
@@ -111,7 +96,7 @@ def phase_of(ids: torch.Tensor, ctx: AttentionContext) -> str:
 
 def wanted(model: Transformer, ids: torch.Tensor, ctx: AttentionContext) -> str | None:
     """The phase whose compiled pieces this pass of `model` should run, or None (eager)."""
-    if not any(s.on for s in _SWITCHES.values()) or torch.is_grad_enabled():
+    if not _SWITCHES.names_on() or torch.is_grad_enabled():
         return None
     if model.cfg.is_moe or model.has_aux_flow or len(model.layers) == 0:
         return None
@@ -166,7 +151,7 @@ PIECES = _Pieces()
 
 def _piece(phase: str, name: str, fn: Callable[..., Any], *args: Any) -> Any:
     compiled = PIECES.get(name, fn)
-    if _NATIVE_IN_GRAPH[phase].on:
+    if _NATIVE_IN_GRAPH.is_on(phase):
         return compiled(*args)
     with skinny.switched(False):  # traced (and guarded) with the torch path
         return compiled(*args)
