@@ -25,7 +25,6 @@ from splitphase.engine.sampling_params import SamplingParams
 from splitphase.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from splitphase.errors import UserError
 from splitphase.hardware.memory import keep_freed_memory
-from splitphase.kernels import packed_linear
 from splitphase.model import compiled
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
@@ -128,7 +127,7 @@ class LLMEngine:
             )
         )
         self.runner = ModelRunner(model, self.cache)
-        self._warm_up()
+        self.runner.warm_up()
         if config.compile:  # the switch is process-wide: an engine owns its process's model
             compiled.set_enabled(True, config.compile)
         self.dtype_bytes = dtype_bytes
@@ -138,16 +137,6 @@ class LLMEngine:
         self.kv_payloads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """A throwaway prefill and decode step on a scratch cache, as vLLM warms up at start:
-        the native kernels load and the prefill GEMMs pack their weights here, not inside the
-        first request's TTFT (measured: embedded model, first prefill 79 ms, then 6-7 ms)."""
-        tokens = min(packed_linear.MIN_ROWS, self.model.cfg.max_seq_len - 1)
-        ids = torch.zeros((1, tokens), dtype=torch.long, device=self.model.device)
-        _, scratch = self.model.prefill(ids, self.model.new_cache(1, tokens + 1))
-        self.model.decode_step(ids[:, -1], scratch)
 
     def _max_model_len(self, num_blocks: int) -> int:
         cfg = self.config
