@@ -186,3 +186,15 @@ def test_batching_policy_gain_is_against_the_policy_the_engine_runs() -> None:
     unknown = batching_policy(results, None)
     assert unknown.before == 0.500 and unknown.speedup == pytest.approx(500 / 6)
     assert unknown.applicable and "against mixed" in unknown.detail
+
+
+def test_compare_verdicts_print_the_table_ratios() -> None:
+    from splitphase.audit.compare import PhaseSpeeds, verdicts
+
+    base = PhaseSpeeds("a", 0.05, 0.003, 1000.0, 100.0, 50.0)
+    other = PhaseSpeeds("b", 0.05, 0.003, 1050.0, 94.0, 50.0)
+    assert verdicts([base, other]) == [
+        "b vs a: prefill 1.05x faster, decode 0.94x (slower)"]
+    same = PhaseSpeeds("c", 0.05, 0.003, 1020.0, 98.0, 50.0)
+    assert verdicts([base, same])[0].endswith("prefill about the same (1.02x), "
+                                              "decode about the same (0.98x)")

@@ -34,10 +34,11 @@ def phase_speeds(spec: str, prof: Profile) -> PhaseSpeeds:
 
 
 def _ratio_words(phase: str, ratio: float) -> str:
+    # Two decimals as in the table: one rounded 0.94x to "0.9x" and 1.05x to "1.0x faster".
     if ratio >= 1.05:
-        return f"{phase} {ratio:.1f}x faster"
+        return f"{phase} {ratio:.2f}x faster"
     if ratio <= 0.95:
-        return f"{phase} {ratio:.1f}x (slower)"
+        return f"{phase} {ratio:.2f}x (slower)"
     return f"{phase} about the same ({ratio:.2f}x)"
 
 
