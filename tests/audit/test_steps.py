@@ -11,6 +11,7 @@ from splitphase.audit.steps.optimizations import (
     batching_policy,
     dual_flow_decode,
     moe_decode_top_k,
+    optimizations,
     quantized_weights,
 )
 from splitphase.audit.steps.profile import percentile, union_length_s
@@ -138,7 +139,7 @@ def test_zero_length_timings_are_user_errors() -> None:
         profile([failed])
 
 
-def test_interference_spike_is_measured() -> None:
+def _interference_profile():
     streams = [_trace(32, out=60, conc=6, point="interference") for _ in range(4)]
     for s in streams:
         s.role = "stream"
@@ -149,7 +150,11 @@ def test_interference_spike_is_measured() -> None:
     inject = RequestTrace(2048, 2, stall_start, stall_start + 0.2,
                           [stall_start + 0.2, stall_start + 0.22], stall_start + 0.22,
                           point="interference", role="inject", concurrency=6)
-    prof = profile(_sweep() + streams + [inject])
+    return profile(_sweep() + streams + [inject])
+
+
+def test_interference_spike_is_measured() -> None:
+    prof = _interference_profile()
     assert prof.interference is not None
     assert prof.interference.baseline_itl_s == pytest.approx(ITL_S)
     assert prof.interference.max_itl_s == pytest.approx(0.2 + ITL_S)
@@ -198,3 +203,21 @@ def test_compare_verdicts_print_the_table_ratios() -> None:
     same = PhaseSpeeds("c", 0.05, 0.003, 1020.0, 98.0, 50.0)
     assert verdicts([base, same])[0].endswith("prefill about the same (1.02x), "
                                               "decode about the same (0.98x)")
+
+
+def test_measured_policies_supersede_the_ideal_isolation_gain() -> None:
+    """Isolation's 'after' is the no-prefill baseline; where every batching policy of our own
+    engine was measured, the achievable gain is that row's."""
+    prof = _interference_profile()
+    util = utilization(prof, LLAMA8B, HW)
+    alone = optimizations(prof, util, LLAMA8B, HW)
+    isolate = next(o for o in alone if o.name == "isolate prefill from decode")
+    assert isolate.applicable and isolate.evidence == "measured"
+    results = [PolicyResult("chunked", 0.02, 0.08, 0.1, 100.0),
+               PolicyResult("disaggregated", 0.02, 0.04, 0.05, 90.0)]
+    found = optimizations(prof, util, LLAMA8B, HW, results, "chunked")
+    isolate = next(o for o in found if o.name == "isolate prefill from decode")
+    assert not isolate.applicable and "measured in its own row" in isolate.detail
+    policy = next(o for o in found if o.name.startswith("batching policy"))
+    assert policy.applicable and policy.speedup == 2.0
+    assert found.index(policy) < found.index(isolate)  # not applicable: listed after

@@ -10,7 +10,7 @@ never assumes better kernels than the target already has.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from splitphase.audit import flops as fl
@@ -224,9 +224,15 @@ def optimizations(
     """Step 4: every optimization, most promising (largest speedup) first."""
     any_measured = any(r.measured for r in policy_results)
     by_policy = [batching_policy(policy_results, current_policy)] if any_measured else []
+    inter = interference(prof, util)
+    if by_policy:
+        # Isolation's "after" is the no-prefill baseline, an ideal; where every policy of the
+        # engine was measured, what isolating achieves here is that row's, not this one's.
+        inter = replace(inter, applicable=False, detail=inter.detail + "; what each batching "
+                        "policy achieves on this engine is measured in its own row")
     found = [
         *by_policy,
-        interference(prof, util),
+        inter,
         larger_decode_batch(util, cfg, hw),
         moe_decode_top_k(util, cfg, hw),
         dual_flow_decode(util, cfg, hw),
