@@ -94,9 +94,7 @@ class Candidate:
         """(found, ceiling) per GPU: goodput lies between the highest rate that met the SLOs
         and the lowest that did not (or the capacity the search starts from, which it never
         exceeds), so two candidates whose ranges overlap are a tie."""
-        ceiling = self.failing_rate_per_s
-        if ceiling is None:
-            ceiling = max(self.capacity_rate_per_s, self.goodput_rate_per_s)
+        ceiling = self.failing_rate_per_s or self.capacity_rate_per_s
         return self.goodput_per_gpu, ceiling / self.unit_gpus
 
     @property
