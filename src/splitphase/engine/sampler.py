@@ -22,12 +22,18 @@ class SamplingState:
     params: SamplingParams
     generator: torch.Generator
     output_counts: Counter[int] = field(default_factory=Counter)
+    # logit_bias as (ids, biases) tensors, built once rather than at every step
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, fallback_seed: int) -> SamplingState:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else fallback_seed)
-        return cls(params, gen)
+        bias = None
+        if params.logit_bias:
+            bias = (torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long),
+                    torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
+        return cls(params, gen, bias=bias)
 
 
 @dataclass(frozen=True)
@@ -51,13 +57,12 @@ def _apply_penalties(logits: torch.Tensor, state: SamplingState) -> torch.Tensor
     return logits
 
 
-def _apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def _apply_logit_bias(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
     """OpenAI's logit_bias: each listed token's bias added to its logit before sampling."""
-    if not p.logit_bias:
+    if state.bias is None:
         return logits
-    ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
-    bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
-    return logits.index_add(0, ids, bias)
+    ids, bias = state.bias
+    return logits.index_add(0, ids, bias.to(logits.dtype))
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -84,7 +89,7 @@ def sample_row(logits: torch.Tensor, state: SamplingState) -> SampledToken:
     """Sample one token from logits (V,) for one sequence and record it in its state."""
     p = state.params
     raw = logits.float().cpu()
-    adjusted = _apply_logit_bias(_apply_penalties(raw, state), p)
+    adjusted = _apply_logit_bias(_apply_penalties(raw, state), state)
     if p.is_greedy:
         token = int(adjusted.argmax())
     else:
