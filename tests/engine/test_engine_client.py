@@ -99,8 +99,17 @@ def test_a_failed_forward_ends_its_requests_and_the_core_goes_on(tiny_ckpt: Path
         with pytest.raises(StepFailedError) as failed:
             while client.has_unfinished_requests():  # the first forward works, the second not
                 client.step()
-        assert sorted(failed.value.request_ids) == sorted(rids)
+        # The failed step's requests end; which of the three had reached the core by its
+        # second forward depends on timing (they arrive one by one), so the others may still
+        # run, and must then finish whole.
+        ended = set(failed.value.request_ids)
+        assert ended and ended <= set(rids)
         assert "injected forward failure" in repr(failed.value.cause)
+        rest = []
+        while client.has_unfinished_requests():
+            rest += [o for o in client.step() if o.finished]
+        assert {o.request_id for o in rest} == set(rids) - ended
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in rest)
         assert client.state.num_used_blocks == 0
         rid = client.add_request("after the failure", GREEDY)
         outs = []

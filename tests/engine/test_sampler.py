@@ -42,6 +42,19 @@ def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy():
     )
 
 
+def test_top_p_keeps_the_smallest_set_reaching_it_and_ties_with_its_last_token():
+    logits = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0]).log()
+
+    def picks(top_p: float) -> set[int]:
+        return {
+            sample_row(logits, _state(temperature=1.0, top_p=top_p, seed=i)).token_id
+            for i in range(300)
+        }
+
+    assert picks(0.75) == {0, 1}
+    assert picks(0.85) == {0, 1, 2, 3}  # token 2 reaches 0.85; token 3 ties with it
+
+
 def test_min_p_excludes_unlikely_tokens():
     logits = torch.tensor([5.0, 4.9, -10.0, -10.0])
     picks = {
