@@ -71,17 +71,20 @@ def _top_p_floor(probs: torch.Tensor, top_p: float) -> float:
     """The least probability top-p keeps: the likeliest tokens are kept while the mass before
     them is under top_p (the smallest set reaching it), ties with the last one kept too.
 
-    Sorted by numpy: torch's CPU sort took 1.8 ms for one row of 32,000 on the 2-core machine
-    (a 16-row decode step at top_p 0.9 spent 30 ms sampling, about its model time) where
-    numpy's takes 69 us.
+    Sorted by numpy: torch's CPU sort took 1.6-1.8 ms for one row of 32,000 on the 2-core
+    machine (a 16-row decode step at top_p 0.9 spent 30 ms sampling, about its model time)
+    where numpy's takes 66-69 us (`bench/sampler_cost.py`).
     """
-    top = np.sort(probs.numpy())[::-1]
-    reached = np.flatnonzero(np.cumsum(top) - top >= top_p)
-    if not reached.size:
-        return 0.0  # the mass never reaches top_p (rounding): every token stays
+    ascending = torch.from_numpy(np.sort(probs.numpy()))
+    cum = ascending.cumsum(0)  # torch's: numpy's cumsum took as long as its sort
+    # ascending[j] is dropped when the mass above it, cum[-1] - cum[j], reaches top_p: the
+    # dropped are a prefix, up to the last j with cum[j] <= cum[-1] - top_p.
+    last = int(torch.searchsorted(cum, cum[-1:] - top_p, right=True)) - 1
+    if last < 0:
+        return 0.0  # none: every token stays
     # The likeliest token always stays (as in vLLM): a top_p that rounds to 0 in fp32 (5e-324)
     # dropped every token, NaN probabilities, a failed step for all its rows.
-    return float(top[max(int(reached[0]), 1) - 1])
+    return float(ascending[min(last, ascending.numel() - 2) + 1])
 
 
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
