@@ -2,9 +2,10 @@
 
 A decode step ends in the sampler: one row of logits per request, over the whole vocabulary.
 This times `splitphase.engine.sampler.sample` on random logits (seeded) for a batch of rows
-and, per row, the two pieces the sampler replaces torch's primitives in: a categorical draw
-(`draw`, the inverse CDF at one uniform, against `torch.multinomial`, which draws V
-exponentials) and the top-p sort (numpy's, against `torch.sort`). Best of `--repeats`;
+and, the three pieces where the sampler replaces torch's primitives: the greedy rows' argmax
+(numpy's, against `torch.argmax`), a categorical draw (`draw`, the inverse CDF at one uniform,
+against `torch.multinomial`, which draws V exponentials) and the top-p sort (numpy's, against
+`torch.sort`). Best of `--repeats`;
 nothing is asserted.
 
     OMP_NUM_THREADS=2 python bench/sampler_cost.py --rows 1 16 32
@@ -63,13 +64,17 @@ def main() -> None:
             cells.append(best_s(lambda: sample(logits, states), args.repeats))  # noqa: B023
         print(f"{name:28s} " + " ".join(f"{s * 1e3:9.2f}" for s in cells))
     probs = (torch.randn(vocab, generator=gen) * 3).softmax(-1)
+    block = torch.randn(max(args.rows), vocab, generator=gen)
     pieces = [
-        ("draw", lambda: draw(probs, gen), lambda: torch.multinomial(probs, 1, generator=gen)),
-        ("top-p sort", lambda: np.sort(probs.numpy()), lambda: probs.sort(descending=True)),
+        (f"greedy argmax of {block.shape[0]} rows", lambda: np.argmax(block.numpy(), axis=-1),
+         lambda: block.argmax(-1)),
+        ("draw (a row)", lambda: draw(probs, gen),
+         lambda: torch.multinomial(probs, 1, generator=gen)),
+        ("top-p sort (a row)", lambda: np.sort(probs.numpy()), lambda: probs.sort(descending=True)),
     ]
     for name, ours, theirs in pieces:
         a, b = best_s(ours, args.repeats * 5), best_s(theirs, args.repeats * 5)
-        print(f"{name}: {a * 1e6:.0f} us a row, torch's {b * 1e6:.0f} us: {b / a:.1f}x")
+        print(f"{name}: {a * 1e6:.0f} us, torch's {b * 1e6:.0f} us: {b / a:.1f}x")
 
 
 if __name__ == "__main__":

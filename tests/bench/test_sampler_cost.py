@@ -22,4 +22,5 @@ def test_sampler_cost_prints_every_row_and_both_ratios() -> None:
     for row in ("greedy", "temp 0.8, top_p 0.9", "temperature 1, logprobs 5"):
         line = next(x for x in out.splitlines() if x.startswith(row))
         assert len(line.split()[-2:]) == 2 and all(float(v) > 0 for v in line.split()[-2:])
-    assert "draw:" in out and "torch's" in out and "top-p sort:" in out
+    for piece in ("greedy argmax of 3 rows:", "draw (a row):", "top-p sort (a row):"):
+        assert piece in out and "torch's" in out.split(piece)[1].splitlines()[0]

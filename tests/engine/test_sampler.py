@@ -1,6 +1,12 @@
 import torch
 
-from splitphase.engine.sampler import SamplingState, sample_row
+from splitphase.engine.sampler import (
+    SamplingState,
+    plain_greedy,
+    sample,
+    sample_plain_greedy,
+    sample_row,
+)
 from splitphase.engine.sampling_params import SamplingParams
 
 
@@ -95,3 +101,27 @@ def test_logprobs_ignore_logit_bias():
     tok = sample_row(logits, _state(temperature=0, logprobs=1, logit_bias={0: 100}))
     assert tok.token_id == 0
     assert abs(tok.logprob - float(logits.log_softmax(-1)[0])) < 1e-6
+
+
+def test_plain_greedy_rows_in_one_argmax_equal_row_by_row_and_the_rest_is_left():
+    """`sample` takes greedy rows without penalties, logit_bias or logprobs in one argmax: the
+    same tokens and recorded counts as `sample_row` one by one; other rows go row by row."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40)
+    logits[2, 5] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins
+    kinds = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0),
+             dict(temperature=0, logprobs=2), dict(temperature=0, frequency_penalty=1.0),
+             dict(temperature=0, logit_bias={7: 50.0})]
+
+    def states() -> list[SamplingState]:
+        return [_state(**kw) for kw in kinds]
+
+    batched, single = states(), states()
+    assert [plain_greedy(s) for s in batched] == [True, False, True, False, False, False]
+    for _ in range(3):
+        got = sample(logits, batched)
+        want = [sample_row(logits[i], s) for i, s in enumerate(single)]
+        assert got == want
+    assert got[2].token_id == 5 and got[5].token_id == 7
+    assert [s.output_counts for s in batched] == [s.output_counts for s in single]
+    assert sample_plain_greedy(logits, {1: batched[1], 3: batched[3]}) == {}

@@ -20,7 +20,13 @@ from splitphase.engine.detokenizer import IncrementalDetokenizer
 from splitphase.engine.kv_cache import PagedKVCache, num_blocks_for_budget
 from splitphase.engine.model_runner import ModelRunner
 from splitphase.engine.request import Request, RequestStatus, validate_prompt
-from splitphase.engine.sampler import SampledToken, SamplingState, prompt_logprobs, sample_row
+from splitphase.engine.sampler import (
+    SampledToken,
+    SamplingState,
+    prompt_logprobs,
+    sample_plain_greedy,
+    sample_row,
+)
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from splitphase.errors import UserError
@@ -289,12 +295,14 @@ class LLMEngine:
     ) -> dict[str, list[int]]:
         n_samples = {c.request_id: c.num_samples for c in out.prefill if c.is_last_chunk}
         sampled: dict[str, list[int]] = {}
+        fast = sample_plain_greedy(logits, {i: self._tracked[rid].sampling for i, rid in
+                                            enumerate(ids) if n_samples.get(rid, 1) == 1})
         for i, rid in enumerate(ids):
             parent = self._tracked[rid]
             tokens = []
             for k in range(n_samples.get(rid, 1)):
                 t = parent if k == 0 else self._child(parent, k)
-                tok = sample_row(logits[i], t.sampling)
+                tok = fast[i] if i in fast else sample_row(logits[i], t.sampling)
                 if t.request.sampling_params.logprobs is not None:
                     t.logprobs.append(tok)
                 tokens.append(tok.token_id)

@@ -123,9 +123,45 @@ def sample_row(logits: torch.Tensor, state: SamplingState) -> SampledToken:
     return SampledToken(token, float(logp[token]), top)
 
 
+def plain_greedy(state: SamplingState) -> bool:
+    """True when a row's token is the argmax of its raw logits: greedy, with no penalties,
+    logit_bias or logprobs to apply."""
+    p = state.params
+    return (p.is_greedy and p.logprobs is None and state.bias is None
+            and p.presence_penalty == 0 and p.frequency_penalty == 0)
+
+
+def sample_plain_greedy(
+    logits: torch.Tensor, states: dict[int, SamplingState]
+) -> dict[int, SampledToken]:
+    """The tokens of the rows of logits (N, V) whose state is `plain_greedy`, by row, in one
+    argmax, recorded in their states (the other rows are left out): `sample_row` costs 45 us
+    of copies and Python a row, 1.5 ms of a 32-row decode step. Ties go to the first index,
+    as in `sample_row`."""
+    rows = [i for i, state in states.items() if plain_greedy(state)]
+    if not rows:
+        return {}
+    picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+    tokens = _argmax_rows(picked)
+    for i, token in zip(rows, tokens, strict=True):
+        states[i].output_counts[token] += 1
+    return {i: SampledToken(token) for i, token in zip(rows, tokens, strict=True)}
+
+
+def _argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest value. numpy's for fp32 on the CPU: torch's
+    argmax took 743 us for 32 rows of 32,000 on the 2-core machine, numpy's 146 us (both give
+    the first index on ties and on NaN)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return [int(i) for i in np.argmax(x.numpy(), axis=-1)]
+    return [int(i) for i in x.argmax(-1).tolist()]
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledToken]:
-    """One token per row of logits (N, V)."""
-    return [sample_row(logits[i], s) for i, s in enumerate(states)]
+    """One token per row of logits (N, V): the plain-greedy rows in one argmax, the others
+    one by one."""
+    fast = sample_plain_greedy(logits, dict(enumerate(states)))
+    return [fast[i] if i in fast else sample_row(logits[i], s) for i, s in enumerate(states)]
 
 
 def prompt_logprobs(
