@@ -97,6 +97,26 @@ def test_one_packed_copy_serves_every_row_count(in_features: int) -> None:
 
 
 @needs_mkl
+@pytest.mark.parametrize("first_rows", [32, 2048])
+def test_packs_for_pack_rows_whatever_the_first_call(first_rows: int, monkeypatch) -> None:
+    """The layout is MKL's for PACK_ROWS: packed for the engine warm-up's 32 rows, every later
+    512-row prefill GEMM ran 10-15% slower; packed for a 2048-token first prompt, half speed."""
+    asked: list[int] = []
+    real = torch.ops.mkl._mkl_reorder_linear_weight
+
+    def spy(w: torch.Tensor, rows: int) -> torch.Tensor:
+        asked.append(rows)
+        return real(w, rows)
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", spy)
+    w = torch.randn(48, 64)
+    with torch.no_grad():
+        got = packed_linear.linear(torch.randn(first_rows, 64), w, packed_linear.PackedWeight())
+    assert got is not None
+    assert asked == [packed_linear.PACK_ROWS]
+
+
+@needs_mkl
 def test_repacks_when_the_weight_changes() -> None:
     g = torch.Generator().manual_seed(0)
     lin = Linear(64, 48, bias=False)

@@ -43,6 +43,15 @@ from splitphase.kernels.switch import Switch, switch_functions
 # and the packing would not pay for its memory.
 MIN_ROWS = 32
 
+# The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
+# copy out for the rows it is told, and a copy serves other row counts at that layout's speed:
+# on the 2-core machine (base-125m's four shapes, 2 threads) packed for 32 rows, 512-row GEMMs
+# ran 10-15% slower than packed for 512, and packed for 2048, 64- and 512-row GEMMs at half
+# speed on three of the four shapes, where packed for 512 was within 5% of the best at 64 to
+# 2048 rows (one thread: the same, 32 10-25% slower). Packing for the first call's rows made
+# the engine's start-up warm-up (32 tokens) slow every later prefill.
+PACK_ROWS = 512
+
 # The share of available memory packed copies may take under `auto`: a few percent leaves the
 # KV cache (a quarter of free memory by default) and the OS theirs.
 AUTO_MEMORY_FRACTION = 0.10
@@ -129,9 +138,7 @@ class PackedWeight:
         self._stacked: torch.Tensor | None = None  # what was packed: (sum N, K)
         self._bytes = 0  # counted against the budget: the packed copy and any stack made for it
 
-    def get(
-        self, ws: Sequence[torch.Tensor], rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def get(self, ws: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed copy, plain stack) of ws on dim 0, rebuilt if any changed since last call;
         None where the memory budget has no room for them (the caller uses torch's linear).
 
@@ -145,7 +152,7 @@ class PackedWeight:
         if self._packed is None or self._stacked is None or key != self._key:
             self._drop()  # the old copies go before new ones are built
             stacked = ws[0] if len(ws) == 1 else torch.cat(list(ws))
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(stacked, rows)
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(stacked, PACK_ROWS)
             nbytes = _nbytes(packed) + (_nbytes(stacked) if len(ws) > 1 else 0)
             if not _BUDGET.admit(nbytes):
                 self._refused = key
@@ -211,7 +218,7 @@ def stacked_linear(
     if not ws or not all(usable(x, w) for w in ws):
         return None
     rows = x.numel() // x.shape[-1]
-    got = pack.get(ws, rows)
+    got = pack.get(ws)
     if got is None:
         return None
     packed, stacked = got
