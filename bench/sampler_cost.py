@@ -14,8 +14,6 @@ nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,6 +22,7 @@ from splitphase.engine.sampler import SamplingState, sample
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import draw
+from splitphase.perf.timing import best_s
 
 PARAMS = {
     "greedy": dict(temperature=0.0),
@@ -32,16 +31,6 @@ PARAMS = {
     "temp 0.8, top_k 50": dict(temperature=0.8, top_k=50),
     "temperature 1, logprobs 5": dict(temperature=1.0, logprobs=5),
 }
-
-
-def best_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
