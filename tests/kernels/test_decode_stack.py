@@ -10,7 +10,7 @@ import torch
 from splitphase.engine.config import EngineConfig
 from splitphase.engine.llm_engine import LLMEngine
 from splitphase.engine.sampling_params import SamplingParams
-from splitphase.kernels import build, decode_stack, skinny
+from splitphase.kernels import build, decode_stack, packed_linear, skinny
 from splitphase.model.attention_context import KVCache
 from splitphase.model.config import ModelConfig
 from splitphase.model.tokenizer import Tokenizer
@@ -106,6 +106,28 @@ def test_models_the_pass_does_not_cover_run_per_op(changes: dict, calls: list[in
     model = _model(**changes)
     _decode(model, torch.randint(0, model.cfg.vocab_size, (2, 8)))
     assert calls == []
+
+
+@needs_kernel
+@pytest.mark.skipif(not packed_linear.available(), reason="this torch has no MKL packed GEMM")
+def test_past_the_skinny_rows_fp32_runs_per_op_on_packed_weights(calls: list[int]) -> None:
+    """Past skinny.MAX_ROWS the native pass would call torch's linear (a weight repack every
+    call): where the packed GEMM applies the per-op path runs, and bf16 (nothing packed) and
+    packing off keep the native pass."""
+    rows = skinny.MAX_ROWS[torch.float32] + 1
+    model = _model()
+    ids = _ids(model, rows, 7, seed=2)
+    with packed_linear.switched(True):
+        _decode(model, ids)
+        assert calls == []
+        _decode(model, ids[: rows - 1])
+        assert calls == [rows - 1] * 2
+    calls.clear()
+    with packed_linear.switched(False):
+        _decode(model, ids)
+    bf16 = _model(dtype="bfloat16")
+    _decode(bf16, _ids(bf16, skinny.MAX_ROWS[torch.bfloat16] + 1, 7, seed=2))
+    assert calls == [rows] * 2 + [skinny.MAX_ROWS[torch.bfloat16] + 1] * 2
 
 
 @needs_kernel
