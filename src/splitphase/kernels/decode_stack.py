@@ -3,7 +3,9 @@
 At batch 1 the ~15 ops of a decoder layer each cost Python and dispatcher time comparable to
 their arithmetic on small activations; the native `decode_layers` runs the same kernels in
 the same order from C++, so its output is bit-identical to the per-op path (which stays the
-fallback and, with the native kernels off, the torch reference).
+fallback and, with the native kernels off, the torch reference) wherever both take the same
+linears: below `packed_linear.MIN_ROWS` rows, or with packing off (from there the per-op path's
+linears run on MKL-packed weights, equal within fp32 rounding).
 """
 
 from __future__ import annotations
