@@ -73,9 +73,9 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
     calls = []
     real = torch.ops.splitphase.skinny_linear
 
-    def spy(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+    def spy(x: torch.Tensor, ws: list[torch.Tensor], pass_rows: int) -> list[torch.Tensor]:
         calls.append(x.shape[0])
-        return real(x, ws)
+        return real(x, ws, pass_rows)
 
     monkeypatch.setattr(skinny, "_native", spy)
     w = torch.randn(8, 32)
@@ -86,6 +86,36 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
         skinny.linear(above_bf16, w.bfloat16())  # above the bf16 limit: torch
         skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
     assert calls == [3]
+
+
+@needs_kernel
+def test_pass_rows_pick_the_threads_not_the_result() -> None:
+    x, w = torch.randn(3, 96), torch.randn(200, 96)
+    with torch.inference_mode():
+        alone = skinny.linear(x, w)
+        after_prefill = skinny.linear(x, w, pass_rows=512)  # on torch's OpenMP team
+    assert torch.equal(alone, after_prefill)
+
+
+@needs_kernel
+def test_a_prefill_hands_its_tokens_to_the_lm_head(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Transformer
+) -> None:
+    model = tiny_model
+    seen: list[tuple[int, int]] = []
+    real = skinny._native
+
+    def spy(x: torch.Tensor, ws: list[torch.Tensor], pass_rows: int) -> list[torch.Tensor]:
+        seen.append((x.shape[0], pass_rows))
+        return real(x, ws, pass_rows)
+
+    _, cache = model.prefill(torch.randint(0, 100, (2, 9)))
+    monkeypatch.setattr(skinny, "_native", spy)
+    model.prefill(torch.randint(0, 100, (2, 5)), model.new_cache(2, 16))
+    assert seen[-1] == (2, 10)  # the LM head's two rows end a 10-token pass
+    seen.clear()
+    model.decode_step(torch.tensor([1, 2]), cache)
+    assert seen and seen[-1] == (2, 2)  # a decode step's head stays decode-shaped
 
 
 def test_fallback_is_exactly_torch(kernel_off: None) -> None:

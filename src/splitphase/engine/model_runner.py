@@ -162,7 +162,7 @@ class ModelRunner:
             logits, hidden = self._run_dual_flow(ids, pos, ctx, a, decode_only=not out.prefill)
         else:
             hidden = self.model.hidden_states(ids, pos, ctx)[0]  # (N, D)
-            logits = self.model.logits(hidden[len(lay.ids) - a :])  # (A, V)
+            logits = self.model.logits(hidden[len(lay.ids) - a :], len(lay.ids))  # (A, V)
         prompt_logits = {rid: self.model.logits(hidden[r]) for rid, r in lay.prompt_rows.items()}
         return RunnerOutput(tuple(lay.sample_ids), logits, prompt_logits)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def _skinny_linear(x: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+def _skinny_linear(
+    x: torch.Tensor, ws: list[torch.Tensor], pass_rows: int = 0
+) -> list[torch.Tensor]:
     return [x.new_empty((x.shape[0], w.shape[0])) for w in ws]  # (rows, N_j) each
 
 

@@ -8,8 +8,10 @@
 
 namespace splitphase_ops {
 
-// [x @ w.T for w in ws] for x (rows <= 16, K); each weight (N_j, K) in x's dtype.
-std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws);
+// [x @ w.T for w in ws] for x (rows <= 64, K); each weight (N_j, K) in x's dtype; pass_rows:
+// the tokens of the pass x ends, when more than its rows (they pick the thread team).
+std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws,
+                                      int64_t pass_rows = 0);
 
 // q (B, H, D) over k/v pools (N, G, D) at slots (B, S), first lengths[b] real -> (B, H, D).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -45,21 +45,28 @@ def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
     return all(w.dtype == x.dtype and w.is_contiguous() for w in weights)
 
 
-def _native(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(torch.ops.splitphase.skinny_linear(x, weights))
+def _native(x: torch.Tensor, weights: list[torch.Tensor], pass_rows: int) -> list[torch.Tensor]:
+    return list(torch.ops.splitphase.skinny_linear(x, weights, pass_rows))
 
 
-def linears(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x @ w.T for each weight (nn.Linear layout, no bias), sharing one pass over x."""
+def linears(
+    x: torch.Tensor, *weights: torch.Tensor, pass_rows: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """x @ w.T for each weight (nn.Linear layout, no bias), sharing one pass over x.
+
+    pass_rows: the tokens of the forward pass whose last rows x is (the LM head after a
+    prefill). Above a decode step's size the kernel then runs on torch's OpenMP team, still
+    spinning from the pass's GEMMs, as the pass's own element-wise kernels do: the helper
+    threads would race it for the cores (a 512-token prefill's LM head 5.4 -> 3.4 ms)."""
     if not _use_kernel(x, weights):
         return tuple(F.linear(x, w) for w in weights)
-    ys = _native(x.reshape(-1, x.shape[-1]), list(weights))
+    ys = _native(x.reshape(-1, x.shape[-1]), list(weights), pass_rows)
     return tuple(y.unflatten(0, x.shape[:-1]) for y in ys)  # (..., N_j) each, contiguous
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T (no bias); the native kernel for decode-shaped x."""
-    return linears(x, weight)[0]
+def linear(x: torch.Tensor, weight: torch.Tensor, pass_rows: int = 0) -> torch.Tensor:
+    """x @ weight.T (no bias); the native kernel for decode-shaped x (pass_rows: `linears`)."""
+    return linears(x, weight, pass_rows=pass_rows)[0]
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

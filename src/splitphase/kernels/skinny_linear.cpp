@@ -326,7 +326,8 @@ void rows_n(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi, i
 
 // x is read in its own dtype (T): a bf16 x needs no fp32 copy, every kernel widens it exactly.
 template <typename T>
-void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys) {
+void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys,
+                 int64_t team_rows) {
   std::vector<int64_t> start(ws.size() + 1, 0);
   std::vector<const T*> wp(ws.size());
   std::vector<T*> yp(ws.size());
@@ -336,7 +337,7 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
     yp[j] = ys[j].data_ptr<T>();
   }
   // One parallel range over the rows of all weights: each thread streams its share.
-  splitphase_pool::parallel_chunks(start.back(), kGrainRows, nb, [&](int64_t begin, int64_t end) {
+  splitphase_pool::parallel_chunks(start.back(), kGrainRows, team_rows, [&](int64_t begin, int64_t end) {
     if (nb == 1) {
       for (size_t j = 0; j < ws.size(); ++j) {  // the part of the chunk in each weight
         int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
@@ -356,16 +357,19 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
 namespace splitphase_ops {
 
 // [x @ w.T for w in ws]: each output (rows, out_j) contiguous, one pass over every weight.
-std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
+// pass_rows, when larger than x's rows, is the tokens of the forward pass x ends (the LM head
+// on a prefill's last rows): it picks the thread team as those tokens would (pool.h).
+std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws, int64_t pass_rows) {
   check_inputs(x, ws);
+  const int64_t team_rows = std::max<int64_t>(pass_rows, x.size(0));
   std::vector<at::Tensor> ys;
   for (const auto& w : ws) ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
   auto xc = x.contiguous();
   int nb = static_cast<int>(x.size(0));
   if (x.scalar_type() == at::kFloat) {
-    linear_impl<float>(xc.data_ptr<float>(), nb, x.size(1), ws, ys);
+    linear_impl<float>(xc.data_ptr<float>(), nb, x.size(1), ws, ys, team_rows);
   } else if (x.scalar_type() == at::kBFloat16) {
-    linear_impl<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), nb, x.size(1), ws, ys);
+    linear_impl<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), nb, x.size(1), ws, ys, team_rows);
   } else {
     TORCH_CHECK(false, "skinny_linear supports float32 and bfloat16");
   }
@@ -375,7 +379,7 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws) {
 }  // namespace splitphase_ops
 
 TORCH_LIBRARY(splitphase, m) {
-  m.def("skinny_linear(Tensor x, Tensor[] ws) -> Tensor[]");
+  m.def("skinny_linear(Tensor x, Tensor[] ws, int pass_rows=0) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {

@@ -194,10 +194,11 @@ class Transformer(nn.Module):
                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         return out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output head (tied or not): (..., D) -> (..., V)."""
+    def logits(self, hidden: torch.Tensor, pass_rows: int = 0) -> torch.Tensor:
+        """Output head (tied or not): (..., D) -> (..., V). pass_rows: the tokens of the pass
+        that made hidden, when it is that pass's last rows (picks the kernel's threads)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return skinny.linear(hidden, weight)
+        return skinny.linear(hidden, weight, pass_rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits (B, T, V) with no cache."""
@@ -212,7 +213,7 @@ class Transformer(nn.Module):
         positions = torch.arange(cache.length, cache.length + ids.shape[1], device=ids.device)
         hidden = self.hidden_states(ids, positions, cache)
         cache.commit()
-        return self.logits(hidden[:, -1])  # (B, V)
+        return self.logits(hidden[:, -1], ids.numel())  # (B, V)
 
     @torch.inference_mode()
     def prefill(
