@@ -46,6 +46,24 @@ def test_whole_prompt_matches_sdpa(n: int, heads: int, groups: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("growth", [0.0, 0.3, 3.0])
+def test_scores_that_keep_rising_or_spike_match_sdpa(growth: float) -> None:
+    # A row's softmax shift moves only when a tile's scores rise more than 8 (log2 units)
+    # above it: keys whose scores grow along the sequence (0.3: a few per tile; 3: a move at
+    # every tile), one very large score in a late tile, and every score far below zero.
+    q, k, v = _qkv(1, 300, 300, 6, 2, 64, seed=3)
+    k = k * (1 + growth * torch.arange(300, dtype=torch.float32))[None, :, None, None]
+    k[0, 250] *= 40
+    low_q, low_k = q.clone(), k.clone()
+    low_q[..., 0] -= 400  # and a common key component: every score near -4000 / sqrt(64)
+    low_k[..., 0] += 10
+    for qs, ks in ((q, k), (low_q, low_k)):
+        got = prefill_attention.causal(qs, ks, v)
+        assert got is not None and torch.isfinite(got).all()
+        torch.testing.assert_close(got, _sdpa(qs, ks, v), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize(("t", "s"), [(1, 1), (1, 130), (7, 70), (65, 130), (33, 200), (130, 131)])
 @pytest.mark.parametrize("dim", [64, 128, 16])
 def test_chunk_after_a_cached_prefix_matches_sdpa(t: int, s: int, dim: int) -> None:

@@ -3,7 +3,8 @@
 // step, and the weighted sum of values (P V). K tiles are packed transposed (D, 64) and V
 // tiles row-major (64, D), both contiguous, so every operand of the inner loops is a
 // contiguous 16-lane load or a broadcast; 6 rows x 4 vectors = 24 accumulators of 32 zmm.
-// A scalar version of each serves machines without AVX-512 (same arithmetic, slower).
+// A scalar version of each serves machines without AVX-512 (slower; the softmax shifts by
+// the exact running max, so results agree within rounding).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -81,28 +82,35 @@ inline __mmask16 first_lanes(int64_t n) {
   return n > 0 ? splitphase_simd::tail_mask(n) : static_cast<__mmask16>(0);
 }
 
+// How far (log2 units) a row's scores may rise above its running shift before the shift
+// moves: a tile whose scores stay below it skips the row's horizontal max, and its p values
+// are at most 2^8 (no overflow in fp32 sums), as FlashAttention-4's conditional rescaling.
+constexpr float kShiftSlack = 8.f;
+
 // Folds one tile of raw scores s (nr rows x 64; row r's first valid[r] are real) into the
-// running softmax, in log2 units (c = scale * log2 e): m[r] (the running max) moves up,
-// alpha[r] gets 2^(m_old - m_new) (what the row's output so far is rescaled by), s becomes
-// 2^(c s - m_new) (0 past valid[r]), and the row's 16-lane partial sums l[16r:16r+16] are
-// rescaled and added to (one horizontal sum per row at the very end, not one per tile).
+// running softmax, in log2 units (c = scale * log2 e): where a score rises more than
+// kShiftSlack above the row's shift m[r], m[r] moves up to the tile's max and alpha[r] gets
+// 2^(m_old - m_new) (what the row's output so far is rescaled by), else alpha[r] = 1; s
+// becomes 2^(c s - m[r]) (0 past valid[r]), and the row's 16-lane partial sums
+// l[16r:16r+16] are rescaled and added to (one horizontal sum per row at the very end).
+// A row's shifts depend on its own scores alone, so its result does not depend on its batch.
 inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
                          float* alpha, float* l) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 cv = _mm512_set1_ps(c);
   for (int r = 0; r < nr; ++r) {
     __m512 mx = ninf;
     for (int k = 0; k < 4; ++k) {
       __m512 x = _mm512_loadu_ps(s + r * kKTile + 16 * k);
       mx = _mm512_mask_max_ps(mx, first_lanes(valid[r] - 16 * k), mx, x);
     }
-    alpha[r] = m[r];
-    m[r] = std::max(m[r], _mm512_reduce_max_ps(mx) * c);  // the scale is > 0: max commutes
-  }
-  __mmask16 rows = first_lanes(nr);
-  __m512 shift = _mm512_sub_ps(_mm512_maskz_loadu_ps(rows, alpha), _mm512_maskz_loadu_ps(rows, m));
-  _mm512_mask_storeu_ps(alpha, rows, exp2_16(rows, shift));
-  const __m512 cv = _mm512_set1_ps(c);
-  for (int r = 0; r < nr; ++r) {
+    alpha[r] = 1.f;
+    __m512 scaled = _mm512_mul_ps(mx, cv);  // the scale is > 0: max commutes with it
+    if (_mm512_cmp_ps_mask(scaled, _mm512_set1_ps(m[r] + kShiftSlack), _CMP_GT_OQ)) {
+      const float m_new = _mm512_reduce_max_ps(scaled);
+      alpha[r] = _mm512_cvtss_f32(exp2_16(1, _mm512_set1_ps(m[r] - m_new)));
+      m[r] = m_new;
+    }
     __m512 mv = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
     for (int k = 0; k < 4; ++k) {
       float* p = s + r * kKTile + 16 * k;
