@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from splitphase.hardware.calibrate import cpu_model_name
 from splitphase.hardware.memory import keep_freed_memory
 from splitphase.kernels import build, packed_linear, skinny
 from splitphase.model import compiled
@@ -308,11 +309,12 @@ def main() -> None:
     kept = keep_freed_memory() if device.type == "cpu" else False  # as the engine runs
     kernel = build.status()
     results: dict[str, Any] = {
-        "preset": args.preset, "device": args.device, "threads": threads,
+        "preset": args.preset, "device": args.device, "cpu": cpu_model_name(), "threads": threads,
         "context": args.context, "prefill_lengths": args.prefill, "quick": args.quick,
         "concurrent": args.concurrent, "rounds": args.rounds,
         "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
         "packed_prefill_linears": packed_linear.mode(),
+        "packed_prefill_gemm": packed_linear.backend(),
         "malloc_keeps_freed_memory": kept,
         "llamacpp_version": llama_cpp_module()[1],
         "torch": torch.__version__,

@@ -34,6 +34,7 @@ from splitphase.perf.peaks import matmul_peak_flops_per_s
 TIMED = [
     (F, "linear", "linears"),
     (torch.ops.mkl, "_mkl_linear", "linears"),
+    (torch.ops.mkldnn, "_linear_pointwise", "linears"),
     (prefill_attention, "causal", "attention"),
     (elementwise, "silu_mul", "silu_mul"),
     (elementwise, "add_rms_norm", "add_rms_norm"),

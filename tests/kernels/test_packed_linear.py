@@ -1,4 +1,5 @@
-"""Prefill linears on MKL-packed weights against torch's linear, and the model with them."""
+"""Prefill linears on packed weights (MKL's and oneDNN's) against torch's linear, and the model
+with them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,9 +19,21 @@ from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Linear
 from splitphase.model.transformer import Transformer
 
-needs_mkl = pytest.mark.skipif(
-    not packed_linear.available(), reason="this torch has no MKL packed GEMM"
+needs_packed = pytest.mark.skipif(
+    not packed_linear.available(), reason="this torch has no packed GEMM"
 )
+needs_mkl = pytest.mark.skipif(
+    "mkl" not in packed_linear.backends(), reason="this torch has no MKL packed GEMM"
+)
+
+
+@pytest.fixture(params=list(packed_linear.GEMMS))
+def gemm(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test runs once on each packed GEMM this torch has."""
+    if request.param not in packed_linear.backends():
+        pytest.skip(f"this torch has no {request.param} packed GEMM")
+    with packed_linear.using_backend(request.param):
+        yield request.param
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +68,52 @@ def test_auto_by_default_all_when_on_none_when_off():
     assert "must be auto, on or off" in _mode_in_child("sometimes")[1]
 
 
+def _backend_in_child(value: str) -> tuple[str, str]:
+    """(backend(), stderr) as a fresh process sees SPLITPHASE_PACKED_GEMM=value."""
+    code = "from splitphase.kernels import packed_linear as p; print(p.backend())"
+    env = {**os.environ, "SPLITPHASE_PACKED_GEMM": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return out.stdout.strip(), out.stderr
+
+
+@needs_packed
+def test_the_environment_names_the_packed_gemm_or_the_probe_picks_one():
+    for name in packed_linear.backends():
+        assert _backend_in_child(name)[0] == name
+    assert _backend_in_child("auto")[0] in packed_linear.backends()
+    assert "must be auto, mkl or onednn" in _backend_in_child("cublas")[1]
+
+
+def test_auto_takes_onednn_only_when_clearly_faster_than_mkl():
+    margin = packed_linear.PROBE_MARGIN
+    assert packed_linear.pick({"mkl": 1.0, "onednn": 0.5}) == "onednn"  # AVX2 MKL on AMD
+    assert packed_linear.pick({"mkl": 1.0, "onednn": margin * 1.01}) == "mkl"  # about level
+    assert packed_linear.pick({"mkl": 1.0, "onednn": 2.0}) == "mkl"
+    assert packed_linear.pick({"onednn": 3.0}) == "onednn"  # the only one this torch has
+
+
+@needs_packed
+def test_the_probe_times_each_backend_once_and_keeps_its_pick(monkeypatch) -> None:
+    timed: list[str] = []
+
+    def fake_probe(name: str) -> float:
+        timed.append(name)
+        return {"mkl": 2.0, "onednn": 1.0}[name]
+
+    monkeypatch.setattr(packed_linear, "_probe_s", fake_probe)
+    have = packed_linear.backends()
+    with packed_linear.using_backend(have[0]):
+        packed_linear.set_backend(None)  # probe again at the next use
+        assert packed_linear.backend() == ("onednn" if len(have) == 2 else have[0])
+        packed_linear.backend()
+        assert timed == have  # once each, not again
+
+
+@needs_packed
+def test_the_real_probe_times_a_gemm(gemm: str) -> None:
+    assert 0 < packed_linear._probe_s(gemm) < 1.0  # ~0.5 GFLOP: milliseconds on any CPU
+
+
 @pytest.fixture
 def budget(monkeypatch: pytest.MonkeyPatch) -> packed_linear._Budget:
     """A fresh `auto` budget for the test: its limit is set by the test, not by the machine."""
@@ -62,8 +122,7 @@ def budget(monkeypatch: pytest.MonkeyPatch) -> packed_linear._Budget:
     return fresh
 
 
-@needs_mkl
-def test_auto_packs_within_its_budget_and_returns_the_bytes(budget) -> None:
+def test_auto_packs_within_its_budget_and_returns_the_bytes(budget, gemm: str) -> None:
     w1, w2, x = torch.randn(96, 64), torch.randn(96, 64), torch.randn(40, 64)
     budget.limit_bytes = 1
     refused = packed_linear.PackedWeight()
@@ -82,9 +141,8 @@ def test_auto_packs_within_its_budget_and_returns_the_bytes(budget) -> None:
         assert packed_linear.linear(x, w2, packed_linear.PackedWeight()) is not None
 
 
-@needs_mkl
 @pytest.mark.parametrize("in_features", [64, 768, 3072])
-def test_one_packed_copy_serves_every_row_count(in_features: int) -> None:
+def test_one_packed_copy_serves_every_row_count(in_features: int, gemm: str) -> None:
     g = torch.Generator().manual_seed(in_features)
     w = torch.randn(96, in_features, generator=g) * 0.05
     pack = packed_linear.PackedWeight()
@@ -110,14 +168,29 @@ def test_packs_for_pack_rows_whatever_the_first_call(first_rows: int, monkeypatc
 
     monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", spy)
     w = torch.randn(48, 64)
-    with torch.no_grad():
+    with torch.no_grad(), packed_linear.using_backend("mkl"):
         got = packed_linear.linear(torch.randn(first_rows, 64), w, packed_linear.PackedWeight())
     assert got is not None
     assert asked == [packed_linear.PACK_ROWS]
 
 
-@needs_mkl
-def test_repacks_when_the_weight_changes() -> None:
+@pytest.mark.skipif(len(packed_linear.backends()) < 2, reason="needs both packed GEMMs")
+def test_a_copy_packed_by_one_backend_is_rebuilt_for_the_other() -> None:
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(n, 64, generator=g) for n in (48, 16, 16)]
+    x = torch.randn(40, 64, generator=g)
+    pack = packed_linear.PackedWeight()
+    with torch.no_grad():
+        for name, keeps_stack in (("mkl", True), ("onednn", False), ("mkl", True)):
+            with packed_linear.using_backend(name):
+                got = packed_linear.stacked_linear(x, ws, pack)
+            torch.testing.assert_close(got, F.linear(x, torch.cat(ws)), rtol=1e-5, atol=1e-5)
+            assert (pack._plain is not None) == keeps_stack  # oneDNN needs no plain stack
+            stack_bytes = 80 * 64 * 4  # oneDNN's copy is the stack's size; MKL's is more, plus it
+            assert pack.nbytes == stack_bytes if not keeps_stack else pack.nbytes > stack_bytes
+
+
+def test_repacks_when_the_weight_changes(gemm: str) -> None:
     g = torch.Generator().manual_seed(0)
     lin = Linear(64, 48, bias=False)
     x = torch.randn(40, 64, generator=g)
@@ -133,7 +206,7 @@ def test_repacks_when_the_weight_changes() -> None:
     assert first is not None and not torch.allclose(first, in_place)  # type: ignore[arg-type]
 
 
-@needs_mkl
+@needs_packed
 def test_falls_back_where_it_does_not_apply() -> None:
     w = torch.randn(48, 64)
     pack = packed_linear.PackedWeight()
@@ -148,8 +221,7 @@ def test_falls_back_where_it_does_not_apply() -> None:
         packed_linear.set_enabled(True)
 
 
-@needs_mkl
-def test_stacked_weights_are_one_gemm_over_their_concatenation() -> None:
+def test_stacked_weights_are_one_gemm_over_their_concatenation(gemm: str) -> None:
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(n, 64, generator=g) for n in (48, 16, 16)]
     x = torch.randn(2, 40, 64, generator=g)
@@ -163,7 +235,7 @@ def test_stacked_weights_are_one_gemm_over_their_concatenation() -> None:
         torch.testing.assert_close(again, F.linear(x, torch.cat(ws)), rtol=1e-5, atol=1e-5)
 
 
-@needs_mkl
+@needs_packed
 def test_copies_and_pickles_start_empty() -> None:
     lin = Linear(64, 48, bias=False)
     with torch.no_grad():
@@ -182,8 +254,7 @@ def _tiny() -> Transformer:
     return Transformer(cfg).eval()
 
 
-@needs_mkl
-def test_model_prefill_and_generate_match_torch_linears() -> None:
+def test_model_prefill_and_generate_match_torch_linears(gemm: str) -> None:
     model = _tiny()
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 70)).tolist()
     ids = torch.tensor(prompt)
@@ -202,7 +273,7 @@ def test_model_prefill_and_generate_match_torch_linears() -> None:
     assert packed_tokens == torch_tokens
 
 
-@needs_mkl
+@needs_packed
 def test_training_forward_keeps_torch_linear_and_gradients() -> None:
     model = _tiny().train()
     ids = torch.randint(0, model.cfg.vocab_size, (2, 40))
@@ -211,8 +282,7 @@ def test_training_forward_keeps_torch_linear_and_gradients() -> None:
     assert q.weight.grad is not None and q.packed._packed is None
 
 
-@needs_mkl
-def test_flop_counter_counts_the_packed_gemm_as_a_linear() -> None:
+def test_flop_counter_counts_the_packed_gemm_as_a_linear(gemm: str) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     x, w = torch.randn(2, 40, 64), torch.randn(48, 64)

@@ -114,8 +114,13 @@ def test_grouped_decode_primary_reads_no_aux_state(preset: str, changes: dict[st
 
 
 STRICT_SCRIPT = """
+import sys
 import torch
 from test_dual_flow import baseline_of, dual, ids_for
+w, x = torch.randn(128, 64), torch.randn(6, 64)
+if not torch.equal((x[:1] @ w.T)[0], (x @ w.T)[0]):
+    print("MKL gives no row-count-independent GEMM on this CPU")
+    sys.exit(0)
 variants = [
     ("tiny", {}),
     ("tiny", {"aux_self_kv": True}),
@@ -152,6 +157,10 @@ def test_grouped_decode_is_bit_identical_under_mkl_strict_reproducibility() -> N
         text=True,
         timeout=120,
     )
+    if "no row-count-independent" in done.stdout:
+        # Seen on an AMD Zen 5 host: MKL's strict mode left 1- and 6-row GEMMs an ulp apart
+        # (its reproducibility is documented for Intel CPUs), so the premise does not hold.
+        pytest.skip(done.stdout.strip())
     assert done.returncode == 0 and "bitwise" in done.stdout, done.stderr[-2000:]
 
 

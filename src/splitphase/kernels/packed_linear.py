@@ -1,4 +1,4 @@
-"""Prefill-shaped fp32 linears on pre-packed weights (MKL's packed GEMM), or torch.
+"""Prefill-shaped fp32 linears on pre-packed weights (MKL's or oneDNN's packed GEMM), or torch.
 
 torch's fp32 linear calls MKL's sgemm, which repacks the weight into its blocked layout on
 every call: for a 512-token prefill of base-125m that is 10-12% of each GEMM (one thread,
@@ -22,6 +22,15 @@ past it); `1`/`on` packs every weight; `0`/`off` none. On the 2-core machine, qu
 at 512 and 2048 tokens, and in a later run torch's linear (`--variants model unpacked`) at
 1.083x and 1.020x the packed time (once element-wise passes and attention ran on torch's
 OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
+
+Which packed GEMM depends on the CPU, so a process picks one (`backend()`): MKL's is as fast as
+it gets on the Intel hosts it was measured on, where oneDNN's (`mkldnn._reorder_linear_weight`
+/ `_linear_pointwise`) was no faster; on an AMD Zen 5 host MKL runs its AVX2 code while oneDNN
+uses AVX-512: 2 threads, base-125m's shapes at 64-2048 rows, oneDNN 370-505 GFLOP/s against
+MKL's 160-220 (its packed copy is also the weight's size, not ~2.2x). `SPLITPHASE_PACKED_GEMM`
+says which: `auto` (the default) times one GEMM each way on first use and takes oneDNN only
+when it is clearly faster (`PROBE_MARGIN`); `mkl` or `onednn` forces one. oneDNN's result
+equals `F.linear` within fp32 rounding, not bit for bit (a different microkernel).
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -89,6 +99,114 @@ class _Budget:
 _BUDGET = _Budget(limited=_MODE == "auto")
 
 
+class _Gemm(NamedTuple):
+    """One packed GEMM: how it packs a weight and multiplies by the packed copy."""
+
+    has: Callable[[], bool]
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    # (x, packed, plain weight or None, rows) -> x @ w.T
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    needs_plain: bool  # the op takes the plain weight too, so a stack of several is kept
+
+
+def _mkl_run(x: torch.Tensor, packed: torch.Tensor, plain: Any, rows: int) -> torch.Tensor:
+    # prepack_batch_size = rows: _mkl_linear takes the packed path only when they are equal.
+    return torch.ops.mkl._mkl_linear(x, packed, plain, None, rows)
+
+
+def _onednn_run(x: torch.Tensor, packed: torch.Tensor, plain: Any, rows: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+GEMMS: dict[str, _Gemm] = {
+    "mkl": _Gemm(
+        has=lambda: torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"),
+        pack=lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS),
+        run=_mkl_run,
+        needs_plain=True,
+    ),
+    "onednn": _Gemm(
+        has=lambda: torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise"),
+        # No row count: oneDNN's layout for 512 rows ran within noise of this one at 64-2048.
+        pack=lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
+        run=_onednn_run,
+        needs_plain=False,
+    ),
+}
+
+# Under `auto`, oneDNN only when its probe GEMM takes under this share of MKL's time: where
+# the two are close (Intel), MKL's stays, as measured there over many runs.
+PROBE_MARGIN = 0.9
+PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out: ~0.5 GFLOP, a few ms a call
+
+_GEMM_ENV = os.environ.get("SPLITPHASE_PACKED_GEMM", "auto").lower()
+if _GEMM_ENV not in ("auto", *GEMMS):
+    raise UserError(f"SPLITPHASE_PACKED_GEMM must be auto, mkl or onednn, got {_GEMM_ENV!r}")
+if _GEMM_ENV != "auto" and not GEMMS[_GEMM_ENV].has():
+    raise UserError(f"SPLITPHASE_PACKED_GEMM={_GEMM_ENV}: this torch has no such packed GEMM")
+_chosen: str | None = None if _GEMM_ENV == "auto" else _GEMM_ENV
+
+
+def backends() -> list[str]:
+    """The packed GEMMs this torch has, by name ("mkl", "onednn")."""
+    return [name for name, gemm in GEMMS.items() if gemm.has()]
+
+
+def _probe_s(name: str) -> float:
+    """Best of 5 seconds of the probe GEMM on a packed weight (after one warm-up call)."""
+    rows, in_f, out_f = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, in_f, generator=g), torch.randn(out_f, in_f, generator=g)
+    gemm = GEMMS[name]
+    best = math.inf
+    with torch.no_grad():
+        packed = gemm.pack(w)
+        for i in range(6):
+            t0 = time.perf_counter()
+            gemm.run(x, packed, w, rows)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pick(seconds: dict[str, float]) -> str:
+    """The backend `auto` takes given each one's probe time: MKL's unless oneDNN's is clearly
+    faster, the only one where one is missing."""
+    if "mkl" in seconds and "onednn" in seconds:
+        return "onednn" if seconds["onednn"] < PROBE_MARGIN * seconds["mkl"] else "mkl"
+    return next(iter(seconds))
+
+
+def backend() -> str | None:
+    """The packed GEMM this process uses (None where this torch has none): the one
+    SPLITPHASE_PACKED_GEMM names, else the probe's pick, made once at the first call."""
+    global _chosen
+    if _chosen is None:
+        have = backends()
+        _chosen = pick({name: _probe_s(name) for name in have}) if have else None
+    return _chosen
+
+
+def set_backend(name: str | None) -> None:
+    """Use `name` for packing from now on (None: probe again at the next use)."""
+    global _chosen
+    if name is not None and not GEMMS[name].has():
+        raise UserError(f"this torch has no {name} packed GEMM")
+    _chosen = name
+
+
+@contextlib.contextmanager
+def using_backend(name: str) -> Iterator[None]:
+    """Pack with `name` inside the block, as before after it."""
+    before = _chosen
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(before)
+
+
 def mode() -> str:
     """How prefill linears pack now: "auto" (within the memory budget), "on" (all), "off"."""
     if not is_enabled():
@@ -97,68 +215,87 @@ def mode() -> str:
 
 
 def available() -> bool:
-    """True when this torch has MKL's packed GEMM (whether or not it is switched on)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    """True when this torch has a packed GEMM (whether or not it is switched on)."""
+    return bool(backends())
 
 
 set_enabled, switched, is_enabled = switch_functions(
     _SWITCH, requires=available, module=__name__,
     set_doc="Turn packed prefill linears on or off for this process (torch's linear when off).",
     switched_doc="Packed prefill linears on (or off) inside the block, as they were after it.",
-    enabled_doc="True when packed prefill linears are on and this torch has MKL's packed GEMM.",
+    enabled_doc="True when packed prefill linears are on and this torch has a packed GEMM.",
 )
+
+
+def _linear_flops(x_shape: Sequence[int], out_features: int) -> int:
+    """2 * rows * in * out, as torch's FLOP counter counts `F.linear` (it knows neither op)."""
+    return 2 * math.prod(x_shape[:-1]) * int(x_shape[-1]) * out_features
 
 
 def _mkl_linear_flops(
     x_shape: Sequence[int], packed_shape: Any, w_shape: Sequence[int], *args: Any, **kwargs: Any
 ) -> int:
-    """2 * rows * in * out, as torch's FLOP counter counts `F.linear` (it knows no MKL op)."""
-    rows = math.prod(x_shape[:-1])
-    return 2 * rows * int(x_shape[-1]) * int(w_shape[0])
+    return _linear_flops(x_shape, int(w_shape[0]))
 
 
-if available():  # FlopCounterMode (the audit's check of the FLOP model) sees the GEMM
+def _onednn_linear_flops(
+    x_shape: Sequence[int], packed_shape: Sequence[int], *args: Any, **kwargs: Any
+) -> int:
+    return _linear_flops(x_shape, int(packed_shape[0]))  # the packed copy keeps (out, in)
+
+
+# FlopCounterMode (the audit's check of the FLOP model) sees the GEMMs.
+if GEMMS["mkl"].has():
     register_flop_formula(torch.ops.mkl._mkl_linear)(_mkl_linear_flops)
+if GEMMS["onednn"].has():
+    register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_onednn_linear_flops)
 
 
 class PackedWeight:
     """The packed copy of one weight, or of several stacked (Q/K/V: one GEMM for the three),
     rebuilt when any of them changes.
 
-    The key is the weight's storage address, version counter (bumped by every in-place write:
-    `load_state_dict`, an optimizer step) and thread count (MKL packs for the threads it will
-    compute with), so a stale copy is never used. Copies and pickles start empty: the packed
-    tensor is an MKL handle, never saved.
+    The key is the backend, the weight's storage address, version counter (bumped by every
+    in-place write: `load_state_dict`, an optimizer step) and thread count (MKL packs for the
+    threads it will compute with), so a stale copy is never used. Copies and pickles start
+    empty: the packed tensor is an MKL handle or a oneDNN tensor, never saved.
     """
 
     def __init__(self) -> None:
-        self._key: tuple[int, ...] | None = None
-        self._refused: tuple[int, ...] | None = None  # the key the budget said no to
+        self._key: tuple[object, ...] | None = None
+        self._refused: tuple[object, ...] | None = None  # the key the budget said no to
         self._packed: torch.Tensor | None = None
-        self._stacked: torch.Tensor | None = None  # what was packed: (sum N, K)
+        self._plain: torch.Tensor | None = None  # what was packed, (sum N, K), where kept
         self._bytes = 0  # counted against the budget: the packed copy and any stack made for it
 
-    def get(self, ws: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed copy, plain stack) of ws on dim 0, rebuilt if any changed since last call;
-        None where the memory budget has no room for them (the caller uses torch's linear).
+    def get(
+        self, ws: Sequence[torch.Tensor], name: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(packed copy, plain stack or None) of ws on dim 0 for backend `name`, rebuilt if
+        any changed since last call; None where the memory budget has no room for them (the
+        caller uses torch's linear).
 
         `_mkl_linear` takes the plain weight too (its fallback when the row count differs
-        from the packing's), so a stack of several is kept: never a stand-in that would be
-        silently wrong if that fallback ran.
+        from the packing's), so for MKL a stack of several is kept: never a stand-in that
+        would be silently wrong if that fallback ran. oneDNN's op takes the packed copy alone.
         """
-        key = (torch.get_num_threads(), *(v for w in ws for v in (w.data_ptr(), w._version)))
+        weights = (v for w in ws for v in (w.data_ptr(), w._version))
+        key = (name, torch.get_num_threads(), *weights)
         if key == self._refused:
             return None
-        if self._packed is None or self._stacked is None or key != self._key:
+        if self._packed is None or key != self._key:
             self._drop()  # the old copies go before new ones are built
+            gemm = GEMMS[name]
             stacked = ws[0] if len(ws) == 1 else torch.cat(list(ws))
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(stacked, PACK_ROWS)
-            nbytes = _nbytes(packed) + (_nbytes(stacked) if len(ws) > 1 else 0)
+            packed = gemm.pack(stacked)
+            plain = stacked if gemm.needs_plain else None
+            extra = plain is not None and len(ws) > 1  # a stack kept only for MKL's fallback
+            nbytes = _nbytes(packed) + (_nbytes(stacked) if extra else 0)
             if not _BUDGET.admit(nbytes):
                 self._refused = key
                 return None
-            self._packed, self._stacked, self._key, self._bytes = packed, stacked, key, nbytes
-        return self._packed, self._stacked
+            self._packed, self._plain, self._key, self._bytes = packed, plain, key, nbytes
+        return self._packed, self._plain
 
     @property
     def nbytes(self) -> int:
@@ -168,7 +305,7 @@ class PackedWeight:
     def _drop(self) -> None:
         if self._bytes:
             _BUDGET.release(self._bytes)
-        self._packed = self._stacked = None
+        self._packed = self._plain = None
         self._bytes = 0
 
     def __del__(self) -> None:
@@ -199,7 +336,7 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < MIN_ROWS * x.shape[-1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return False  # _mkl_linear has no backward: training keeps torch's linear
+        return False  # the packed ops have no backward: training keeps torch's linear
     # An inference tensor (a weight made under inference_mode) has no version counter to key
     # its packed copy on, so an in-place change could not be noticed.
     return w.dim() == 2 and w.is_contiguous() and not w.is_inference()
@@ -217,10 +354,9 @@ def stacked_linear(
     None where `usable` says no for any of them."""
     if not ws or not all(usable(x, w) for w in ws):
         return None
-    rows = x.numel() // x.shape[-1]
-    got = pack.get(ws)
-    if got is None:
+    name = backend()
+    got = None if name is None else pack.get(ws, name)
+    if name is None or got is None:
         return None
-    packed, stacked = got
-    # prepack_batch_size = rows: _mkl_linear takes the packed path only when they are equal.
-    return torch.ops.mkl._mkl_linear(x, packed, stacked, None, rows)
+    packed, plain = got
+    return GEMMS[name].run(x, packed, plain, x.numel() // x.shape[-1])

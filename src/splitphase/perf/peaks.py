@@ -40,9 +40,10 @@ def matmul_peak_flops_per_s(
 ) -> dict[str, float]:
     """Best linear FLOP/s over the model's weight shapes at `rows` tokens, in `dtype`.
 
-    Each shape takes the faster of torch's linear and, where MKL has it, the GEMM on a packed
-    weight (switched on here even where the model's prefill leaves it off): the peak is the
-    best GEMM this machine offers, not the one the model happens to use.
+    Each shape takes the fastest of torch's linear and the GEMM on a packed weight by every
+    backend this torch has (MKL's, oneDNN's; switched on here even where the model's prefill
+    leaves packing off or picked the other): the peak is the best GEMM this machine offers,
+    not the one the model happens to use.
     """
     g = torch.Generator().manual_seed(0)
     best, by_shape = 0.0, {}
@@ -50,11 +51,12 @@ def matmul_peak_flops_per_s(
         x = torch.randn(rows, in_f, generator=g).to(device, dtype)
         w = torch.randn(out_f, in_f, generator=g).to(device, dtype)
         seconds = best_s(partial(F.linear, x, w), repeats)
-        with packed_linear.switched(True):
-            if packed_linear.usable(x, w):
-                pack = packed_linear.PackedWeight()
-                packed_s = best_s(partial(packed_linear.linear, x, w, pack), repeats)
-                seconds = min(seconds, packed_s)
+        for name in packed_linear.backends():
+            with packed_linear.switched(True), packed_linear.using_backend(name):
+                if packed_linear.usable(x, w):
+                    pack = packed_linear.PackedWeight()
+                    packed_s = best_s(partial(packed_linear.linear, x, w, pack), repeats)
+                    seconds = min(seconds, packed_s)
         rate = 2 * rows * in_f * out_f / seconds
         by_shape[f"{out_f}x{in_f}"] = rate
         best = max(best, rate)
