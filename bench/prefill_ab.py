@@ -1,11 +1,13 @@
 """Prefill A/B in one process: the model as it runs against variants that change one thing.
 
 "model" is the model as it runs (residual add + RMSNorm in one native pass, SiLU*mul in one,
-fp32 linears on MKL-packed weights within their memory budget); "unpacked" takes torch's
-linear instead (`SPLITPHASE_PACKED_PREFILL=0`); "unfused" swaps in the torch arithmetic the
+fp32 linears on packed weights within their memory budget); "unpacked" takes torch's
+linear instead (`SPLITPHASE_PACKED_PREFILL=0`); "packed-mkl" and "packed-onednn" force that
+packed GEMM (`SPLITPHASE_PACKED_GEMM`); "unfused" swaps in the torch arithmetic the
 element-wise passes replaced (`x + r` then the norm; `F.silu(g) * u`); "sdpa" runs attention through
 torch's SDPA instead of the native causal prefill kernel; everything else equal. Runs
-alternate, each figure is the best run; the FLOP fraction uses
+alternate, each timed after one untimed prefill in its variant (a backend switch repacks the
+weights there), each figure is the best run; the FLOP fraction uses
 `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
 query-key pairs, the LM head at the last position) over the best linear rate at the model's
 shapes (torch's or the packed GEMM's), measured in the same run. Nothing is asserted.
@@ -59,8 +61,14 @@ def _sdpa() -> contextlib.AbstractContextManager[None]:
     return prefill_attention.switched(False)
 
 
+def _gemm(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """The packed GEMM of backend `name` (MKL's, oneDNN's) whatever the probe picked."""
+    return lambda: packed_linear.using_backend(name)
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused, "sdpa": _sdpa}
+    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused, "sdpa": _sdpa,
+    **{f"packed-{name}": _gemm(name) for name in packed_linear.backends()}}
 
 
 def main() -> None:
@@ -90,6 +98,8 @@ def main() -> None:
         for r in range(args.rounds + 1):  # round 0 warms up and is not kept
             for variant in best:
                 with VARIANTS[variant]():
+                    cache.length = 0
+                    model.prefill(ids, cache)  # a backend switch repacks here, untimed
                     cache.length = 0
                     t0 = clock()
                     model.prefill(ids, cache)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from splitphase.audit.flops import dense_linear_shapes, prefill_flops
 from splitphase.hardware.memory import keep_freed_memory
 from splitphase.kernels import elementwise, prefill_attention, skinny
+from splitphase.model import layers
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import matmul_peak_flops_per_s
@@ -36,6 +37,7 @@ TIMED = [
     (torch.ops.mkl, "_mkl_linear", "linears"),
     (torch.ops.mkldnn, "_linear_pointwise", "linears"),
     (prefill_attention, "causal", "attention"),
+    (layers, "sdpa_gqa", "attention"),  # where the native kernel does not apply (bf16)
     (elementwise, "silu_mul", "silu_mul"),
     (elementwise, "add_rms_norm", "add_rms_norm"),
     (elementwise, "rms_norm", "rms_norm"),
@@ -91,12 +93,13 @@ def main() -> None:
     ap.add_argument("--preset", default="base-125m")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     keep_freed_memory()  # as the engine runs
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_name(args.preset).with_(dtype="float32")).eval()
-    peak = matmul_peak_flops_per_s(model.cfg, torch.float32)["best"]
-    print(f"{args.preset} fp32, {torch.get_num_threads()} threads, "
+    model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=args.dtype)).eval()
+    peak = matmul_peak_flops_per_s(model.cfg, model.dtype)["best"]
+    print(f"{args.preset} {args.dtype}, {torch.get_num_threads()} threads, "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s (best of the run)")
     for n in args.lengths:
         total_s, parts = budget(model, n, args.rounds)

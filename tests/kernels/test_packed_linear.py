@@ -211,7 +211,8 @@ def test_falls_back_where_it_does_not_apply() -> None:
     w = torch.randn(48, 64)
     pack = packed_linear.PackedWeight()
     assert packed_linear.linear(torch.randn(packed_linear.MIN_ROWS - 1, 64), w, pack) is None
-    assert packed_linear.linear(torch.randn(64, 64).bfloat16(), w.bfloat16(), pack) is None
+    assert packed_linear.linear(torch.randn(64, 64).half(), w.half(), pack) is None  # no fp16
+    assert packed_linear.linear(torch.randn(64, 64).bfloat16(), w, pack) is None  # mixed
     trained = torch.randn(48, 64, requires_grad=True)  # autograd needs torch's linear
     assert packed_linear.linear(torch.randn(64, 64), trained, pack) is None
     packed_linear.set_enabled(False)
@@ -271,6 +272,39 @@ def test_model_prefill_and_generate_match_torch_linears(gemm: str) -> None:
         packed_linear.set_enabled(True)
     torch.testing.assert_close(packed_logits, torch_logits, rtol=1e-4, atol=1e-5)
     assert packed_tokens == torch_tokens
+
+
+needs_onednn = pytest.mark.skipif(
+    "onednn" not in packed_linear.backends(), reason="this torch has no oneDNN packed GEMM"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("fp32_gemm", packed_linear.backends())
+def test_bf16_packs_with_onednn_whatever_fp32_took(fp32_gemm: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(96, 768, generator=g) * 0.05).bfloat16()
+    pack = packed_linear.PackedWeight()
+    with torch.no_grad(), packed_linear.using_backend(fp32_gemm):
+        assert packed_linear.backend_for(torch.bfloat16) == "onednn"
+        for rows in (512, 40):
+            x = torch.randn(rows, 768, generator=g).bfloat16()
+            got = packed_linear.linear(x, w, pack)
+            assert got is not None and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, F.linear(x, w))
+    assert pack._plain is None and pack.nbytes == w.numel() * 2
+
+
+@needs_onednn
+def test_bf16_model_prefill_matches_torch_linears() -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("tiny").with_(dtype="bfloat16")).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 70))
+    packed_logits, _ = model.prefill(ids)
+    assert model.layers[0].self_attn.qkv_packed._packed is not None
+    with packed_linear.switched(False):
+        torch_logits, _ = model.prefill(ids)
+    torch.testing.assert_close(packed_logits, torch_logits, rtol=2e-2, atol=2e-2)
 
 
 @needs_packed

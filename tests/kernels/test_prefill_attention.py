@@ -117,6 +117,33 @@ def test_paged_chunks_match_the_gathered_sdpa() -> None:
     assert bool((out[~written] == 7.0).all())  # only the chunks' rows are written
 
 
+@needs_kernel
+@pytest.mark.parametrize(("t", "s"), [(130, 130), (9, 70)])
+def test_bf16_is_the_fp32_result_rounded_once(t: int, s: int) -> None:
+    # bf16 in, widened to fp32 in the tiles, rounded once on the way out: what SDPA gives in
+    # fp32 on the same bf16 values, to within that rounding (and fp32 sums near zero).
+    q, k, v = (x.bfloat16() for x in _qkv(2, t, s, 12, 4, 64, seed=11))
+    got = prefill_attention.causal(q, k, v)
+    assert got is not None and got.dtype == torch.bfloat16
+    want = _sdpa(q.float(), k.float(), v.float())
+    torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-8)
+    assert (got.float() - want).abs().max() < (_sdpa(q, k, v).float() - want).abs().max() + 1e-6
+
+
+@needs_kernel
+def test_bf16_paged_chunks_match_the_gathered_fp32_sdpa() -> None:
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(50, 12, 64, generator=g).bfloat16()
+    k_pool, v_pool = (torch.randn(300, 4, 64, generator=g).bfloat16() for _ in range(2))
+    rows, slots = torch.arange(3, 43), torch.randperm(300, generator=g)[:60]
+    out = torch.zeros(50, 12 * 64, dtype=torch.bfloat16)
+    chunks = prefill_attention.PagedChunks.build([(rows, slots)])
+    assert prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out)
+    want = _sdpa(q[rows][None].float(), k_pool[slots][None].float(), v_pool[slots][None].float())
+    torch.testing.assert_close(out[rows].float(), want[0], atol=1e-6, rtol=2**-8)
+    assert not prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out.float())
+
+
 def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:
     bad = prefill_attention.PagedChunks.build([(torch.arange(5), torch.arange(4))])
     assert not bad.valid()
@@ -125,7 +152,8 @@ def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:
 @needs_kernel
 def test_falls_back_where_the_kernel_does_not_apply() -> None:
     q, k, v = _qkv(1, 8, 8, 4, 2, 64)
-    assert prefill_attention.causal(q.bfloat16(), k.bfloat16(), v.bfloat16()) is None
+    assert prefill_attention.causal(q.half(), k.half(), v.half()) is None
+    assert prefill_attention.causal(q.bfloat16(), k, v) is None  # mixed dtypes
     assert prefill_attention.causal(*_qkv(1, 8, 8, 4, 2, 24)) is None  # head_dim not 16k
     assert prefill_attention.causal(q[:, :, :, :32], k[..., :32], v[..., :32]) is None  # strided
     with torch.enable_grad():

@@ -1,4 +1,4 @@
-// Causal GQA prefill attention in fp32, flash-style (Dao et al. 2022): queries in tiles of
+// Causal GQA prefill attention, computed in fp32, flash-style (Dao et al. 2022): queries in tiles of
 // up to 64 positions against keys in tiles of 64 with an online softmax (running max and sum per
 // row), so the (T, S) score matrix never exists. Key tiles above the diagonal are skipped, and
 // in the tiles the diagonal crosses each block of rows computes only the keys it can see.
@@ -9,7 +9,9 @@
 // one driver serves a strided batch (the contiguous KV cache) and a paged pool read through
 // slots with the chunk's query rows gathered from a flattened batch. K and V are first
 // packed into contiguous tiles (K transposed): strided rows 1-5 KB apart would fall into a
-// few L1 sets and evict each other.
+// few L1 sets and evict each other. bf16 inputs are widened to fp32 where they are copied
+// anyway (K/V into the tiles, a work item's queries into its scratch) and the output rounded
+// back once, so bf16 costs a conversion per element read, not a second kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -40,12 +42,14 @@ int64_t q_tile(int64_t hg) {
   return most;
 }
 
-// One sequence's rows: T queries (the last T of its S positions) over S keys.
+// One sequence's rows: T queries (the last T of its S positions) over S keys; T is float or
+// at::BFloat16.
+template <typename T>
 struct Seq {
-  std::vector<const float*> q;  // (T,) each -> (H, D)
-  std::vector<const float*> k;  // (S,) each -> (G, D)
-  std::vector<const float*> v;  // (S,) each -> (G, D)
-  std::vector<float*> out;      // (T,) each -> (H * D)
+  std::vector<const T*> q;  // (T,) each -> (H, D)
+  std::vector<const T*> k;  // (S,) each -> (G, D)
+  std::vector<const T*> v;  // (S,) each -> (G, D)
+  std::vector<T*> out;      // (T,) each -> (H * D)
 };
 
 struct Shape {
@@ -56,7 +60,8 @@ struct Shape {
 int64_t n_tiles(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
 
 // Query rows (tokens) of the call, all sequences: what picks the thread team (pool.h).
-int64_t query_rows(const std::vector<Seq>& seqs) {
+template <typename T>
+int64_t query_rows(const std::vector<Seq<T>>& seqs) {
   int64_t rows = 0;
   for (const auto& s : seqs) rows += static_cast<int64_t>(s.q.size());
   return rows;
@@ -78,7 +83,8 @@ struct PackedKV {
   }
 };
 
-void pack_tile(const Seq& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
+template <typename T>
+void pack_tile(const Seq<T>& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
   const int64_t len = static_cast<int64_t>(s.k.size());
   for (int64_t c = 0; c < kKTile; ++c) {
     int64_t key = kt * kKTile + c;
@@ -87,13 +93,14 @@ void pack_tile(const Seq& s, int64_t g, int64_t kt, int64_t d, float* kdst, floa
       std::fill(vdst + c * d, vdst + (c + 1) * d, 0.f);
       continue;
     }
-    const float* ks = s.k[key] + g * d;
-    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = ks[x];
+    const T* ks = s.k[key] + g * d;
+    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = static_cast<float>(ks[x]);
     std::copy(s.v[key] + g * d, s.v[key] + (g + 1) * d, vdst + c * d);
   }
 }
 
-PackedKV pack_kv(const std::vector<Seq>& seqs, const Shape& sh) {
+template <typename T>
+PackedKV pack_kv(const std::vector<Seq<T>>& seqs, const Shape& sh) {
   PackedKV pk;
   int64_t total = 0;
   std::vector<std::array<int64_t, 3>> jobs;  // (seq, g, key tile)
@@ -128,7 +135,8 @@ struct Scratch {
   std::vector<int64_t> valid, pos;
 };
 
-void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
+template <typename T>
+void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk) {
   const int64_t t_len = static_cast<int64_t>(s.q.size()), s_len = static_cast<int64_t>(s.k.size());
   const int64_t offset = s_len - t_len, d = sh.dim, hg = sh.per_group();
   const int64_t t0 = it.qt * q_tile(hg), tq = std::min(q_tile(hg), t_len - t0), rows = hg * tq;
@@ -146,7 +154,7 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
   // A finite floor, not -inf: the first rescale 2^(floor - m) is then exactly 0, not NaN.
   std::fill(m, m + rows, -1e30f);
   for (int64_t t = 0; t < tq; ++t) {  // the group's heads of one position are adjacent
-    const float* src = s.q[t0 + t] + it.g * hg * d;
+    const T* src = s.q[t0 + t] + it.g * hg * d;
     std::copy(src, src + hg * d, w.q.data() + t * hg * d);
   }
   for (int64_t kt = 0; kt < it.key_tiles; ++kt) {
@@ -169,16 +177,17 @@ void attend_item(const Seq& s, const Item& it, const Shape& sh, PackedKV& pk) {
     }
   }
   for (int64_t t = 0; t < tq; ++t) {
-    float* dst = s.out[t0 + t] + it.g * hg * d;
+    T* dst = s.out[t0 + t] + it.g * hg * d;
     for (int64_t j = 0; j < hg; ++j) {
       const int64_t r = t * hg + j;
       const float inv = 1.f / std::accumulate(l + 16 * r, l + 16 * r + 16, 0.f);
-      for (int64_t x = 0; x < d; ++x) dst[j * d + x] = w.o[r * d + x] * inv;
+      for (int64_t x = 0; x < d; ++x) dst[j * d + x] = static_cast<T>(w.o[r * d + x] * inv);
     }
   }
 }
 
-void attend_all(const std::vector<Seq>& seqs, const Shape& sh) {
+template <typename T>
+void attend_all(const std::vector<Seq<T>>& seqs, const Shape& sh) {
   PackedKV pk = pack_kv(seqs, sh);
   std::vector<Item> items;
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
@@ -201,32 +210,31 @@ void attend_all(const std::vector<Seq>& seqs, const Shape& sh) {
   splitphase_pool::park_helpers();  // an o_proj GEMM comes next
 }
 
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), name, ": float32 on CPU");
+void check_rows(const at::Tensor& x, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(x.scalar_type() == dtype && x.device().is_cpu(), name, ": ", dtype, " on CPU");
   TORCH_CHECK(x.stride(-1) == 1 && x.stride(-2) == x.size(-1), name,
               ": each row's heads must be contiguous (stride(-2) == D, stride(-1) == 1)");
 }
 
 }  // namespace
 
-namespace splitphase_ops {
+namespace {
 
-// q (B, T, H, D), k/v (B, S, G, D), T <= S, queries at positions S-T..S-1 -> (B, T, H*D).
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q (B,T,H,D), k/v (B,S,G,D)");
-  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0), "k/v shapes");
-  TORCH_CHECK(q.size(2) % k.size(2) == 0 && q.size(3) == k.size(3), "GQA shapes");
-  TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16");
-  TORCH_CHECK(q.size(1) <= k.size(1) && q.size(1) > 0, "1 <= T <= S");
-  check_rows(q, "q"), check_rows(k, "k"), check_rows(v, "v");
+void check_dtype(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q: float32 or bfloat16");
+}
+
+template <typename T>
+at::Tensor prefill_attention_t(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const int64_t b = q.size(0), t = q.size(1), s = k.size(1);
   const int64_t h = q.size(2), d = q.size(3);
   auto out = at::empty({b, t, h * d}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  std::vector<Seq> seqs(static_cast<size_t>(b));
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<Seq<T>> seqs(static_cast<size_t>(b));
   for (int64_t i = 0; i < b; ++i) {
-    Seq& sq = seqs[i];
+    Seq<T>& sq = seqs[i];
     for (int64_t j = 0; j < t; ++j) {
       sq.q.push_back(qp + i * q.stride(0) + j * q.stride(1));
       sq.out.push_back(op + (i * t + j) * h * d);
@@ -238,6 +246,49 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   }
   attend_all(seqs, {h, k.size(2), d});
   return out;
+}
+
+template <typename T>
+void prefill_attention_paged_t(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const int64_t* rp, const int64_t* qsp, const int64_t* sp,
+                               const int64_t* ksp, int64_t n_chunks, at::Tensor& out) {
+  const int64_t h = q.size(1), d = q.size(2), g = k.size(1);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<Seq<T>> seqs(static_cast<size_t>(n_chunks));
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const int64_t t = qsp[i + 1] - qsp[i], s = ksp[i + 1] - ksp[i];
+    TORCH_CHECK(t >= 1 && t <= s, "chunk ", i, ": 1 <= queries <= keys, got ", t, " and ", s);
+    Seq<T>& sq = seqs[i];
+    for (int64_t j = qsp[i]; j < qsp[i + 1]; ++j) {
+      sq.q.push_back(qp + rp[j] * q.stride(0));
+      sq.out.push_back(op + rp[j] * h * d);
+    }
+    for (int64_t j = ksp[i]; j < ksp[i + 1]; ++j) {
+      sq.k.push_back(kp + sp[j] * g * d);
+      sq.v.push_back(vp + sp[j] * g * d);
+    }
+  }
+  if (n_chunks > 0) attend_all(seqs, {h, g, d});
+}
+
+}  // namespace
+
+namespace splitphase_ops {
+
+// q (B, T, H, D), k/v (B, S, G, D), T <= S, queries at positions S-T..S-1 -> (B, T, H*D);
+// float32 or bfloat16 (all three the same), the output in q's dtype.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q (B,T,H,D), k/v (B,S,G,D)");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0), "k/v shapes");
+  TORCH_CHECK(q.size(2) % k.size(2) == 0 && q.size(3) == k.size(3), "GQA shapes");
+  TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.size(1) <= k.size(1) && q.size(1) > 0, "1 <= T <= S");
+  check_dtype(q);
+  const auto dt = q.scalar_type();
+  check_rows(q, "q", dt), check_rows(k, "k", dt), check_rows(v, "v", dt);
+  return dt == at::kFloat ? prefill_attention_t<float>(q, k, v)
+                          : prefill_attention_t<at::BFloat16>(q, k, v);
 }
 
 // Prefill chunks packed into one flattened batch (varlen): chunk i's queries are rows
@@ -258,34 +309,22 @@ void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at:
   for (const at::Tensor* t : {&q_rows, &q_starts, &slots, &k_starts})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1, "index tensors: 1-d int64");
   TORCH_CHECK(q_starts.numel() == k_starts.numel() && q_starts.numel() >= 1, "starts (C+1,)");
-  check_rows(q, "q"), check_rows(k, "k"), check_rows(v, "v");
-  TORCH_CHECK(out.scalar_type() == at::kFloat, "out: float32");
+  check_dtype(q);
+  const auto dt = q.scalar_type();
+  check_rows(q, "q", dt), check_rows(k, "k", dt), check_rows(v, "v", dt);
+  TORCH_CHECK(out.scalar_type() == dt, "out: q's dtype");
   auto rows = q_rows.contiguous(), qs = q_starts.contiguous();
   auto sl = slots.contiguous(), ks = k_starts.contiguous();
-  const int64_t h = q.size(1), d = q.size(2), g = k.size(1);
   const int64_t *rp = rows.data_ptr<int64_t>(), *sp = sl.data_ptr<int64_t>();
   const int64_t *qsp = qs.data_ptr<int64_t>(), *ksp = ks.data_ptr<int64_t>();
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t n_chunks = qs.numel() - 1;
   TORCH_CHECK(qsp[n_chunks] <= rows.numel() && ksp[n_chunks] <= sl.numel(), "starts in range");
   // Row and slot values are the caller's contract (the engine builds them from its block
   // tables once per step); the chunk boundaries are checked here.
-  std::vector<Seq> seqs(static_cast<size_t>(n_chunks));
-  for (int64_t i = 0; i < n_chunks; ++i) {
-    const int64_t t = qsp[i + 1] - qsp[i], s = ksp[i + 1] - ksp[i];
-    TORCH_CHECK(t >= 1 && t <= s, "chunk ", i, ": 1 <= queries <= keys, got ", t, " and ", s);
-    Seq& sq = seqs[i];
-    for (int64_t j = qsp[i]; j < qsp[i + 1]; ++j) {
-      sq.q.push_back(qp + rp[j] * q.stride(0));
-      sq.out.push_back(op + rp[j] * h * d);
-    }
-    for (int64_t j = ksp[i]; j < ksp[i + 1]; ++j) {
-      sq.k.push_back(kp + sp[j] * g * d);
-      sq.v.push_back(vp + sp[j] * g * d);
-    }
-  }
-  if (n_chunks > 0) attend_all(seqs, {h, g, d});
+  if (dt == at::kFloat)
+    prefill_attention_paged_t<float>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
+  else
+    prefill_attention_paged_t<at::BFloat16>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
 }
 
 }  // namespace splitphase_ops

@@ -4,8 +4,9 @@ Queries are the last T of a sequence's S positions (T = S for a whole prompt, T 
 chunk after a cached prefix). The kernel tiles queries and keys, keeps a running softmax,
 skips key tiles above the diagonal and reads each K/V tile once for all the query heads of
 its group (GQA), reading K/V in place: a strided view of the contiguous KV cache, or a paged
-pool through slots. It computes in fp32 and covers fp32 inputs with a head_dim that is a
-multiple of 16; anything else (GPU, bf16, autograd) is left to the caller's torch path.
+pool through slots. It computes in fp32 and covers fp32 or bf16 inputs (bf16 widened as K/V
+and queries are copied into its tiles, the output rounded once) with a head_dim that is a
+multiple of 16; anything else (GPU, fp16, autograd) is left to the caller's torch path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 
 def _ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    if q.device.type != "cpu" or q.dtype != torch.float32:
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return False
     if k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
         return False

@@ -165,10 +165,12 @@ class Transformer(nn.Module):
         weights = self._decode_weights()
         if not self.layers or not decode_stack.usable(flat, [*weights, self.norm.weight], plan):
             return None
-        if flat.shape[0] > skinny.MAX_ROWS[flat.dtype] and packed_linear.usable(flat, weights[1]):
+        past_skinny = flat.shape[0] > skinny.MAX_ROWS[flat.dtype]
+        if past_skinny and flat.dtype == torch.float32 and packed_linear.usable(flat, weights[1]):
             # Past the skinny kernel's rows the native pass calls torch's linear, which repacks
             # each weight every call; the per-op path's GEMMs on packed weights won (base-125m
-            # fp32, 64 rows at context 256: 95.7 against 104.6 ms a step; at 48, level).
+            # fp32, 64 rows at context 256: 95.7 against 104.6 ms a step; at 48, level). Not
+            # measured for bf16, which keeps the native pass.
             return None
         out = decode_stack.decode_layers(
             flat, weights, self.norm.weight, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
