@@ -256,8 +256,11 @@ def llm(tiny_model, tokenizer):
 
 
 def test_llm_preempted_requests_are_prefilled_again(llm, mixed):
-    outs = llm.generate(TIGHT, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(TIGHT)]
+    # 24 new tokens each: any two requests decoding at once outgrow the 4-block pool (3 + 4
+    # blocks, 3 + 3). With 12, a fast host could finish each in turn and never preempt.
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.generate(TIGHT, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(TIGHT, params)]
     assert any(o.output.request.num_preemptions > 0 for o in outs)
     assert all(o.timings.ttft_s is not None and o.timings.tpot_s is not None for o in outs)
 
