@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from splitphase.kernels import build, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.gguf_export import export_gguf
 from splitphase.model.transformer import Transformer
-from splitphase.perf.llamacpp_baseline import llama_cpp_module
-from splitphase.perf.timing import filled_cache
+from splitphase.perf.llamacpp_baseline import llama_cpp_module, llamacpp_decode_step
+from splitphase.perf.timing import decode_step_fn, interleaved_best_s
 
 
 def _linears_alone(model: Transformer) -> Callable[[], None]:
@@ -70,28 +69,13 @@ def main() -> None:
     vocab = model.cfg.vocab_size
     prompt = [(i * 7919 + 13) % (vocab - 5) + 5 for i in range(args.context)]
     llm.eval(prompt)
-    cache = filled_cache(model, 1, args.context, 8)
-    ids = torch.randint(0, vocab, (1,))
-
-    def ours() -> None:
-        model.decode_step(ids, cache)
-        cache.length -= 1  # stay at `context`
-
-    def llama() -> None:
-        llm.eval([prompt[5]])
-        llm.n_tokens -= 1  # the next eval overwrites the same position: context stays
-
-    systems = {"ours": ours, "linears alone": _linears_alone(model), "llama.cpp": llama}
-    best = dict.fromkeys(systems, float("inf"))
+    systems = {
+        "ours": decode_step_fn(model, 1, args.context),
+        "linears alone": _linears_alone(model),
+        "llama.cpp": llamacpp_decode_step(llm, prompt),
+    }
     with torch.inference_mode():
-        for fn in systems.values():
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in systems.items():
-                for _ in range(args.burst):
-                    t0 = time.perf_counter()
-                    fn()
-                    best[name] = min(best[name], time.perf_counter() - t0)
+        best = interleaved_best_s(systems, args.rounds, args.burst)
     print(f"{args.preset} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads: "
           + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in best.items()))
     print(f"ours {best['llama.cpp'] / best['ours']:.3f}x llama.cpp's speed; the step takes "

@@ -19,6 +19,7 @@ REQUIRED = [
     "speedup_vs_transformers_decode_b1",
     "speedup_vs_transformers_prefill_512",
     "speedup_vs_llamacpp_decode_b1",
+    "speedup_vs_llamacpp_decode_b1_interleaved",
     "continuous_batching_speedup",
     "threads",
 ]
@@ -54,8 +55,11 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
     if data["speedup_vs_llamacpp_decode_b1"] is None:
         assert isinstance(llama, str) and "llama-cpp-python" in llama
         assert "llamacpp: llama-cpp-python is not installed" in proc.stdout
+        assert data["speedup_vs_llamacpp_decode_b1_interleaved"] is None
     else:
         assert llama["decode_step_s_b1"] > 0
+        ratio = llama["decode_step_s_b1_interleaved"] / llama["ours_decode_step_s_b1_interleaved"]
+        assert data["speedup_vs_llamacpp_decode_b1_interleaved"] == pytest.approx(ratio)
     assert "dec b1 tok/s" in proc.stdout and f"wrote {out}" in proc.stdout
 
 

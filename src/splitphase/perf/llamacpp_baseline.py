@@ -2,17 +2,21 @@
 
 Decode is one `eval` of a single token after a `context`-token prompt (greedy sampling is not
 timed, as ours is not); prefill is one `eval` of the prompt into an empty context. Best of
-several runs, as ours.
+several runs, as ours. Given our own decode step, the two steps are also timed in
+alternating bursts (`interleaved_best_s`): on a host whose memory speed moves between
+minutes, the only ratio that compares the code rather than the minute.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from splitphase.model.gguf_export import export_gguf
 from splitphase.model.transformer import Transformer
+from splitphase.perf.timing import interleaved_best_s
 
 
 def llama_cpp_module() -> tuple[Any | None, str]:
@@ -32,8 +36,11 @@ def time_llamacpp(
     decode_tokens: int,
     prefill_len: int,
     repeats: int,
+    ours_decode: Callable[[], object] | None = None,
 ) -> dict[str, float] | str:
-    """llama.cpp's decode step seconds (batch 1) and prefill seconds, or why they are missing."""
+    """llama.cpp's decode step seconds (batch 1) and prefill seconds, or why they are missing;
+    with `ours_decode` (one of our batch-1 steps at `context`), both steps' best seconds in
+    alternating bursts too (`*_interleaved`)."""
     llama_cpp, why = llama_cpp_module()
     if llama_cpp is None:
         return why
@@ -62,7 +69,23 @@ def time_llamacpp(
         t0 = time.perf_counter()
         llm.eval([prompt[i]])
         steps.append(time.perf_counter() - t0)
-    return {
-        "decode_step_s_b1": min(steps[2:]),
-        "prefill_s": min(prefills),
-    }
+    out = {"decode_step_s_b1": min(steps[2:]), "prefill_s": min(prefills)}
+    if ours_decode is not None:
+        llm.reset()
+        llm.eval(prompt[:context])
+        both = interleaved_best_s(
+            {"ours": ours_decode, "llamacpp": llamacpp_decode_step(llm, prompt)}, decode_tokens // 2
+        )
+        out["decode_step_s_b1_interleaved"] = both["llamacpp"]
+        out["ours_decode_step_s_b1_interleaved"] = both["ours"]
+    return out
+
+
+def llamacpp_decode_step(llm: Any, prompt: list[int]) -> Callable[[], None]:
+    """One llama.cpp decode step after whatever `llm` holds, repeatable at that context."""
+
+    def step() -> None:
+        llm.eval([prompt[5]])
+        llm.n_tokens -= 1  # the next eval overwrites this position: the context stays
+
+    return step

@@ -41,6 +41,40 @@ def best_s(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return min(times)
 
 
+def interleaved_best_s(
+    systems: dict[str, Callable[[], object]], rounds: int, burst: int = 4
+) -> dict[str, float]:
+    """Best wall time of each callable, timed in alternating bursts of `burst` calls.
+
+    On a host whose memory speed moves between minutes, systems timed one after the other
+    meet different machines; alternating short bursts in one process gives each the same
+    spells. One untimed call each first."""
+    for fn in systems.values():
+        fn()
+    _sync()
+    best = dict.fromkeys(systems, float("inf"))
+    for _ in range(rounds):
+        for name, fn in systems.items():
+            for _ in range(burst):
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def decode_step_fn(model: Transformer, batch: int, context: int) -> Callable[[], None]:
+    """One decode step at `context` cached tokens per row, repeatable (the cache stays there)."""
+    cache = filled_cache(model, batch, context, 1)
+    ids = torch.randint(0, model.cfg.vocab_size, (batch,), device=model.device)
+
+    def step() -> None:
+        model.decode_step(ids, cache)
+        cache.length -= 1  # stay at `context`: every timed step costs the same
+
+    return step
+
+
 @dataclass(frozen=True)
 class DecodeTiming:
     """One decode configuration: batch, context, best step time and what it implies."""
@@ -73,14 +107,7 @@ def filled_cache(model: Transformer, batch: int, context: int, extra: int) -> KV
 def time_decode(model: Transformer, batch: int, context: int, steps: int) -> DecodeTiming:
     """Best time of one decode step at `context` cached tokens per row."""
     cfg = model.cfg
-    cache = filled_cache(model, batch, context, steps + 1)
-    ids = torch.randint(0, cfg.vocab_size, (batch,), device=model.device)
-
-    def step() -> None:
-        model.decode_step(ids, cache)
-        cache.length -= 1  # stay at `context`: every timed step costs the same
-
-    step_s = best_s(step, steps, warmup=2)
+    step_s = best_s(decode_step_fn(model, batch, context), steps, warmup=2)
     dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
     lens = [context] * batch
     return DecodeTiming(
