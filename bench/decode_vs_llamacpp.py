@@ -22,9 +22,13 @@ import torch
 
 from splitphase.kernels import build, skinny
 from splitphase.model.config import ModelConfig
-from splitphase.model.gguf_export import export_gguf
 from splitphase.model.transformer import Transformer
-from splitphase.perf.llamacpp_baseline import llama_cpp_module, llamacpp_decode_step
+from splitphase.perf.llamacpp_baseline import (
+    llama_cpp_module,
+    llamacpp_decode_step,
+    llamacpp_prompt,
+    open_llamacpp,
+)
 from splitphase.perf.timing import decode_step_fn, interleaved_best_s
 
 
@@ -61,13 +65,10 @@ def main() -> None:
     build.status()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name(args.preset).with_(dtype=args.dtype)).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = export_gguf(model, None, Path(tmp) / "model.gguf")
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.context + 8, n_batch=args.context,
-                              n_ubatch=args.context, n_threads=torch.get_num_threads(),
-                              n_threads_batch=torch.get_num_threads(), verbose=False)
-    vocab = model.cfg.vocab_size
-    prompt = [(i * 7919 + 13) % (vocab - 5) + 5 for i in range(args.context)]
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:  # llama.cpp maps the file; unlinking keeps it
+        llm = open_llamacpp(llama_cpp, model, Path(tmp), threads, args.context + 8, args.context)
+    prompt = llamacpp_prompt(model.cfg.vocab_size, args.context)
     llm.eval(prompt)
     systems = {
         "ours": decode_step_fn(model, 1, args.context),
@@ -76,7 +77,7 @@ def main() -> None:
     }
     with torch.inference_mode():
         best = interleaved_best_s(systems, args.rounds, args.burst)
-    print(f"{args.preset} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads: "
+    print(f"{args.preset} {args.dtype}, context {args.context}, {threads} threads: "
           + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in best.items()))
     print(f"ours {best['llama.cpp'] / best['ours']:.3f}x llama.cpp's speed; the step takes "
           f"{best['ours'] / best['linears alone']:.3f}x its linears alone")

@@ -1,4 +1,4 @@
-"""Prefill-shaped fp32 linears on pre-packed weights (MKL's or oneDNN's packed GEMM), or torch.
+"""Prefill-shaped linears on pre-packed weights (MKL's or oneDNN's packed GEMM), or torch.
 
 torch's fp32 linear calls MKL's sgemm, which repacks the weight into its blocked layout on
 every call: for a 512-token prefill of base-125m that is 10-12% of each GEMM (one thread,
@@ -26,13 +26,14 @@ OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
 Which packed GEMM depends on the CPU, so a process picks one (`backend()`): MKL's is as fast as
 it gets on the Intel hosts it was measured on, where oneDNN's (`mkldnn._reorder_linear_weight`
 / `_linear_pointwise`) was no faster; on an AMD Zen 5 host MKL runs its AVX2 code while oneDNN
-uses AVX-512: 2 threads, base-125m's shapes at 64-2048 rows, oneDNN 370-505 GFLOP/s against
-MKL's 160-220 (its packed copy is also the weight's size, not ~2.2x). `SPLITPHASE_PACKED_GEMM`
-says which: `auto` (the default) times one GEMM each way on first use and takes oneDNN only
-when it is clearly faster (`PROBE_MARGIN`); `mkl` or `onednn` forces one. oneDNN's result
-equals `F.linear` within fp32 rounding, not bit for bit (a different microkernel). bf16
-linears pack with oneDNN's whatever fp32 took (MKL's has no bf16): on the AMD host, 2 threads,
-512-2048 rows, 890-980 GFLOP/s against torch's linear's 790-930, the results bit-identical.
+uses AVX-512 (`bench/packed_gemm.py`: 2 threads, base-125m's shapes at 64-2048 rows, oneDNN
+358-506 GFLOP/s against MKL's 138-220; its packed copy is also the weight's size, not ~2.2x).
+`SPLITPHASE_PACKED_GEMM` says which: `auto` (the default) times one GEMM each way on first use
+and takes oneDNN only when it is clearly faster (`PROBE_MARGIN`); `mkl` or `onednn` forces
+one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for bit (a different
+microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has no bf16): on the
+AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every shape, the
+results bit-identical.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def backends() -> list[str]:
 
 
 def _probe_s(name: str) -> float:
-    """Best of 5 seconds of the probe GEMM on a packed weight (after one warm-up call)."""
+    """The probe GEMM's best seconds over 5 timed calls on a packed weight, after a warm-up."""
     rows, in_f, out_f = PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, in_f, generator=g), torch.randn(out_f, in_f, generator=g)

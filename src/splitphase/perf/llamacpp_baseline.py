@@ -44,18 +44,11 @@ def time_llamacpp(
     llama_cpp, why = llama_cpp_module()
     if llama_cpp is None:
         return why
-    path = export_gguf(model, None, workdir / f"{model.cfg.name}-{model.cfg.dtype}.gguf")
-    llm = llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=max(context + decode_tokens + 8, prefill_len + 8),
-        n_batch=max(prefill_len, context),
-        n_ubatch=max(prefill_len, context),
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
+    llm = open_llamacpp(
+        llama_cpp, model, workdir, threads,
+        n_ctx=max(context + decode_tokens + 8, prefill_len + 8), n_batch=max(prefill_len, context),
     )
-    vocab = model.cfg.vocab_size
-    prompt = [(i * 7919 + 13) % (vocab - 5) + 5 for i in range(max(context, prefill_len))]
+    prompt = llamacpp_prompt(model.cfg.vocab_size, max(context, prefill_len))
     prefills = []
     for _ in range(repeats):
         llm.reset()
@@ -79,6 +72,22 @@ def time_llamacpp(
         out["decode_step_s_b1_interleaved"] = both["llamacpp"]
         out["ours_decode_step_s_b1_interleaved"] = both["ours"]
     return out
+
+
+def open_llamacpp(
+    llama_cpp: Any, model: Transformer, workdir: Path, threads: int, n_ctx: int, n_batch: int
+) -> Any:
+    """`model` exported to GGUF in `workdir` and loaded by llama.cpp with `threads` threads."""
+    path = export_gguf(model, None, workdir / f"{model.cfg.name}-{model.cfg.dtype}.gguf")
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+        n_threads=threads, n_threads_batch=threads, verbose=False,
+    )
+
+
+def llamacpp_prompt(vocab_size: int, n: int) -> list[int]:
+    """The token ids llama.cpp is timed on: spread over the vocabulary, past the first few."""
+    return [(i * 7919 + 13) % (vocab_size - 5) + 5 for i in range(n)]
 
 
 def llamacpp_decode_step(llm: Any, prompt: list[int]) -> Callable[[], None]:

@@ -1,0 +1,39 @@
+"""bench/packed_gemm.py and bench/decode_vs_llamacpp.py run on the tiny preset."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from splitphase.kernels import packed_linear
+from splitphase.perf.llamacpp_baseline import llama_cpp_module
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), "--preset", "tiny", *args],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_packed_gemm_prints_a_rate_per_shape_and_backend() -> None:
+    proc = _run("packed_gemm.py", "--rows", "32", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.lstrip().startswith("32 ")]
+    assert len(rows) == 5  # tiny's distinct weight shapes, the head included
+    names = [n for n in packed_linear.backends() if torch.float32 in packed_linear.GEMMS[n].dtypes]
+    assert all(len(r) == 3 + len(names) and all(float(v) > 0 for v in r[2:]) for r in rows)
+
+
+def test_decode_vs_llamacpp_interleaves_or_says_what_is_missing() -> None:
+    proc = _run("decode_vs_llamacpp.py", "--context", "16", "--rounds", "1", "--burst", "1")
+    if llama_cpp_module()[0] is None:
+        assert proc.returncode != 0 and "llama-cpp-python is not installed" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "llama.cpp's speed" in proc.stdout and "its linears alone" in proc.stdout
