@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -99,14 +100,20 @@ def datasheet_peaks(device: torch.device) -> dict[str, float]:
     }
 
 
+def triad_pass(device: torch.device, mib_per_array: int) -> tuple[Callable[[], object], int]:
+    """One STREAM triad pass a = b + 3c in fp32 on `device`, and the bytes it moves (3 arrays)."""
+    n = mib_per_array * 2**20 // 4
+    b, c = torch.rand(n, device=device), torch.rand(n, device=device)
+    a = torch.empty_like(b)
+    return partial(torch.add, b, c, alpha=3.0, out=a), 3 * n * 4
+
+
 def triad_bytes_per_s(device: torch.device, mib_per_array: int, repeats: int) -> float:
     """STREAM triad a = b + 3c in fp32 on `device`; 3 arrays of traffic per pass."""
     if device.type == "cpu":
         return measure_triad_bandwidth_bytes_per_s(mib_per_array, repeats)
-    n = mib_per_array * 2**20 // 4
-    b, c = torch.rand(n, device=device), torch.rand(n, device=device)
-    a = torch.empty_like(b)
-    return 3 * n * 4 / best_s(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+    run, nbytes = triad_pass(device, mib_per_array)
+    return nbytes / best_s(run, repeats)
 
 
 def measure_peaks(
