@@ -31,6 +31,7 @@ namespace splitphase_pool {
 
 // Chunks of one job are claimed with a CAS on (generation << 32 | next chunk); a helper only
 // runs a chunk of the generation it claimed in, and the caller returns once every chunk is done.
+// Each job takes two generations: one closing the last job's state, one publishing its own.
 class HelperPool {
  public:
   ~HelperPool() { resize(0); }
@@ -65,10 +66,17 @@ class HelperPool {
     }
     std::lock_guard<std::mutex> one_job(job_mutex_);  // callers from several threads queue
     resize(threads - 1);
-    fn_ = &fn;
-    n_chunks_ = n_chunks;
+    // Close the last job's state before touching fn_ and n_chunks_: a helper that loaded it
+    // (all chunks claimed) and then read this job's larger n_chunks_ could otherwise claim a
+    // chunk past the end with a CAS that still matched, run the last job's dead fn_ or count
+    // a chunk twice in done_, and let this caller return while a chunk still ran (seen as a
+    // crash in the skinny kernel's closure). The closed state has its own generation and no
+    // chunk left; the job is published under the next.
+    uint64_t gen = (state_.load() >> 32) + 2;
+    state_.store(((gen - 1) << 32) | kClosed);
+    fn_.store(&fn, std::memory_order_relaxed);  // published by the state_ store below
+    n_chunks_.store(n_chunks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    uint64_t gen = (state_.load() >> 32) + 1;
     park_.store(false);
     state_.store(gen << 32);
     if (sleepers_.load() > 0) {
@@ -84,9 +92,10 @@ class HelperPool {
   void work(uint64_t gen) {
     while (true) {
       uint64_t v = state_.load(std::memory_order_acquire);
-      if ((v >> 32) != gen || static_cast<int64_t>(v & 0xffffffffu) >= n_chunks_) return;
+      const int64_t index = static_cast<int64_t>(v & 0xffffffffu);
+      if ((v >> 32) != gen || index >= n_chunks_.load(std::memory_order_relaxed)) return;
       if (!state_.compare_exchange_weak(v, v + 1)) continue;
-      (*fn_)(static_cast<int64_t>(v & 0xffffffffu));
+      (*fn_.load(std::memory_order_relaxed))(index);
       done_.fetch_add(1, std::memory_order_release);
     }
   }
@@ -124,6 +133,8 @@ class HelperPool {
     for (size_t i = 0; i < helpers; ++i) threads_.emplace_back([this] { helper_loop(); });
   }
 
+  static constexpr uint64_t kClosed = 0xffffffffu;  // a chunk index past any job's end
+
   std::mutex job_mutex_, mutex_;
   std::condition_variable cv_;
   std::vector<std::thread> threads_;
@@ -132,8 +143,8 @@ class HelperPool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> park_{false};
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_chunks_ = 0;
+  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> n_chunks_{0};
   pid_t owner_ = getpid();
 };
 
