@@ -149,14 +149,17 @@ PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out: ~0.5 GFLOP, a few ms a call
 _GEMM_ENV = os.environ.get("SPLITPHASE_PACKED_GEMM", "auto").lower()
 if _GEMM_ENV not in ("auto", *GEMMS):
     raise UserError(f"SPLITPHASE_PACKED_GEMM must be auto, mkl or onednn, got {_GEMM_ENV!r}")
-if _GEMM_ENV != "auto" and not GEMMS[_GEMM_ENV].has():
-    raise UserError(f"SPLITPHASE_PACKED_GEMM={_GEMM_ENV}: this torch has no such packed GEMM")
 _chosen: str | None = None if _GEMM_ENV == "auto" else _GEMM_ENV
+
+# Fixed for the process; `usable` asks on every prefill-shaped linear.
+_HAVE = tuple(name for name, gemm in GEMMS.items() if gemm.has())
+if _chosen is not None and _chosen not in _HAVE:
+    raise UserError(f"SPLITPHASE_PACKED_GEMM={_chosen}: this torch has no such packed GEMM")
 
 
 def backends() -> list[str]:
     """The packed GEMMs this torch has, by name ("mkl", "onednn")."""
-    return [name for name, gemm in GEMMS.items() if gemm.has()]
+    return list(_HAVE)
 
 
 def _probe_s(name: str) -> float:
@@ -199,13 +202,13 @@ def backend_for(dtype: torch.dtype) -> str | None:
     only one with bf16, whatever fp32 took); None where this torch has none for it."""
     if dtype == torch.float32:
         return backend()
-    return next((n for n in backends() if dtype in GEMMS[n].dtypes), None)
+    return next((n for n in _HAVE if dtype in GEMMS[n].dtypes), None)
 
 
 def set_backend(name: str | None) -> None:
     """Use `name` for packing from now on (None: probe again at the next use)."""
     global _chosen
-    if name is not None and not GEMMS[name].has():
+    if name is not None and name not in _HAVE:
         raise UserError(f"this torch has no {name} packed GEMM")
     _chosen = name
 
@@ -230,7 +233,7 @@ def mode() -> str:
 
 def available() -> bool:
     """True when this torch has a packed GEMM (whether or not it is switched on)."""
-    return bool(backends())
+    return bool(_HAVE)
 
 
 set_enabled, switched, is_enabled = switch_functions(
@@ -259,9 +262,9 @@ def _onednn_linear_flops(
 
 
 # FlopCounterMode (the audit's check of the FLOP model) sees the GEMMs.
-if GEMMS["mkl"].has():
+if "mkl" in _HAVE:
     register_flop_formula(torch.ops.mkl._mkl_linear)(_mkl_linear_flops)
-if GEMMS["onednn"].has():
+if "onednn" in _HAVE:
     register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_onednn_linear_flops)
 
 
@@ -372,7 +375,7 @@ def stacked_linear(
     if not ws or not all(usable(x, w) for w in ws):
         return None
     name = backend_for(x.dtype)
-    got = None if name is None else pack.get(ws, name)
+    got = pack.get(ws, name) if name is not None else None  # `usable` said there is one
     if name is None or got is None:
         return None
     packed, plain = got
