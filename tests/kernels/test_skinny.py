@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import build, skinny
+from splitphase.kernels import build, packed_linear, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
@@ -81,11 +81,25 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
     w = torch.randn(8, 32)
     with torch.inference_mode():
         skinny.linear(torch.randn(1, 3, 32), w)
-        skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32] + 1, 32), w)  # above: torch
-        above_bf16 = torch.randn(skinny.MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16()
+        skinny.linear(torch.randn(skinny.max_rows(torch.float32) + 1, 32), w)  # above: torch
+        above_bf16 = torch.randn(skinny.max_rows(torch.bfloat16) + 1, 32).bfloat16()
         skinny.linear(above_bf16, w.bfloat16())  # above the bf16 limit: torch
         skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
     assert calls == [3]
+
+
+@pytest.mark.skipif(packed_linear.backends() != ["mkl", "onednn"], reason="needs both GEMMs")
+def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
+    fp32, bf16 = torch.float32, torch.bfloat16
+    with packed_linear.using_backend("onednn"):
+        assert skinny.max_rows(fp32) == skinny.max_rows(bf16) == packed_linear.ONEDNN_MIN_ROWS - 1
+        assert packed_linear.min_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS
+        with packed_linear.switched(False):
+            assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
+    with packed_linear.using_backend("mkl"):
+        assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
+        assert packed_linear.min_rows(fp32) == packed_linear.MIN_ROWS
+        assert packed_linear.min_rows(bf16) == packed_linear.ONEDNN_MIN_ROWS  # bf16: oneDNN's
 
 
 @needs_kernel

@@ -65,5 +65,5 @@ def decode_layers(
     (B, d_model)."""
     return torch.ops.splitphase.decode_layers(
         x, weights, final_norm, plan.k_cache, plan.v_cache, plan.write_slots, plan.slots,
-        plan.lengths, cos, sin, eps, skinny.MAX_ROWS[x.dtype], n_heads,
+        plan.lengths, cos, sin, eps, skinny.max_rows(x.dtype), n_heads,
     )

@@ -1,4 +1,5 @@
-"""Prefill-shaped linears on pre-packed weights (MKL's or oneDNN's packed GEMM), or torch.
+"""Prefill-shaped linears (and decode steps past the skinny kernel's rows) on pre-packed weights
+(MKL's or oneDNN's packed GEMM), or torch.
 
 torch's fp32 linear calls MKL's sgemm, which repacks the weight into its blocked layout on
 every call: for a 512-token prefill of base-125m that is 10-12% of each GEMM (one thread,
@@ -55,6 +56,13 @@ from splitphase.kernels.switch import Switch, switch_functions
 # Below this many rows a linear is decode-shaped: the skinny kernel (or plain torch) serves it
 # and the packing would not pay for its memory.
 MIN_ROWS = 32
+
+# oneDNN's packed GEMM takes over from the skinny kernel from this many rows (fp32 and bf16):
+# on the AMD host it beat the kernel from 8 rows, by far past 16 (bench/skinny_rows.py,
+# base-125m's MLP linears, 2 threads: fp32 0.99x the kernel's time at 4 rows, 0.94x at 8,
+# 0.73x at 16, 0.68x at 32; bf16 0.98x at 8, 0.80x at 16). MKL's (Intel) keeps MIN_ROWS: there
+# the kernel was level with MKL's GEMM only at 48 rows.
+ONEDNN_MIN_ROWS = 9
 
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
 # copy out for the rows it is told, and a copy serves other row counts at that layout's speed:
@@ -205,6 +213,11 @@ def backend_for(dtype: torch.dtype) -> str | None:
     return next((n for n in _HAVE if dtype in GEMMS[n].dtypes), None)
 
 
+def min_rows(dtype: torch.dtype) -> int:
+    """Rows from which a linear in `dtype` takes the packed GEMM (when one is usable)."""
+    return ONEDNN_MIN_ROWS if backend_for(dtype) == "onednn" else MIN_ROWS
+
+
 def set_backend(name: str | None) -> None:
     """Use `name` for packing from now on (None: probe again at the next use)."""
     global _chosen
@@ -341,7 +354,7 @@ class PackedWeight:
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when x @ w.T can take a packed GEMM: on CPU, in a dtype one has (fp32; bf16 on
-    oneDNN's), prefill-shaped, no autograd."""
+    oneDNN's), at least `min_rows` rows, no autograd."""
     if torch.compiler.is_compiling():
         # The packed copy is a Python-side cache keyed on data_ptr, which dynamo cannot trace;
         # calling it through a graph break (torch.compiler.disable) made dynamo compile every
@@ -351,7 +364,7 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.dtype != w.dtype or x.device.type != "cpu":
         return False
-    if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < MIN_ROWS * x.shape[-1]:
+    if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < ONEDNN_MIN_ROWS * x.shape[-1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # the packed ops have no backward: training keeps torch's linear
@@ -359,7 +372,7 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     # its packed copy on, so an in-place change could not be noticed.
     if w.dim() != 2 or not w.is_contiguous() or w.is_inference():
         return False
-    return backend_for(x.dtype) is not None
+    return backend_for(x.dtype) is not None and x.numel() >= min_rows(x.dtype) * x.shape[-1]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor | None:

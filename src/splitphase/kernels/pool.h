@@ -164,19 +164,26 @@ inline bool use_openmp() {
 // Sends idle helpers to sleep (see HelperPool::park); the next job wakes them.
 inline void park_helpers() { pool().park(); }
 
-// After an element-wise pass over more rows than a decode step has (prefill), torch's GEMM
-// comes next: park the helpers. Decode-shaped calls keep them spinning for the next kernel.
-inline void park_after(int64_t rows) {
-  if (rows > 16) park_helpers();
+// Above this many rows (tokens) a call sits between torch's OpenMP GEMMs (prefill, or a decode
+// step past the skinny kernel's rows), so it runs on their OpenMP team, whose threads are still
+// spinning from the last GEMM. The helpers would have to be woken first and would then race
+// that spinning team for the cores (measured on base-125m's 512-token prefill: the element-wise
+// passes and attention 25-30% faster on the OpenMP team). Calls up to the skinny kernel's row
+// limit sit between the native kernels and keep the helpers. Python sets the limit to the
+// skinny kernel's (it depends on which packed GEMM takes over from it).
+inline std::atomic<int64_t>& helper_max_rows() {
+  static std::atomic<int64_t> rows{64};
+  return rows;
 }
 
-// Above this many rows (tokens) a call is prefill-shaped: torch's OpenMP GEMMs run before and
-// after it, so it runs on their OpenMP team, whose threads are still spinning from the last
-// GEMM. The helpers would have to be woken first and would then race that spinning team for
-// the cores (measured on base-125m's 512-token prefill: the element-wise passes and attention
-// 25-30% faster on the OpenMP team). Decode-shaped calls, up to the skinny kernel's row
-// limit, sit between the native kernels and keep the helpers.
-constexpr int64_t kHelperMaxRows = 64;
+// After an element-wise pass over more rows than a decode step on the skinny kernel has,
+// torch's GEMM comes next: park the helpers. Decode-shaped calls keep them spinning for the
+// next kernel.
+inline void park_after(int64_t rows) {
+  if (rows > std::min<int64_t>(16, helper_max_rows().load(std::memory_order_relaxed))) {
+    park_helpers();
+  }
+}
 
 // Calls fn(begin, end) over [0, n) in chunks of at least `grain`, on all intra-op threads;
 // `rows` is the tokens the call covers (it picks the thread team, above).
@@ -190,7 +197,7 @@ inline void parallel_chunks(int64_t n, int64_t grain, int64_t rows,
     return;
   }
   auto run = [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); };
-  if (!use_openmp() && rows <= kHelperMaxRows) {
+  if (!use_openmp() && rows <= helper_max_rows().load(std::memory_order_relaxed)) {
     pool().run(threads, n_chunks, run);
     return;
   }

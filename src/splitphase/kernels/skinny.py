@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import build, elementwise
+from splitphase.kernels import build, elementwise, packed_linear
 from splitphase.kernels.switch import Switch, switch_functions
 
 # Rows up to which the kernel beats torch, measured on the 2-core AVX-512 machine, quiet
@@ -34,11 +34,38 @@ set_enabled, switched, is_enabled = switch_functions(
 )
 
 
+_helper_rows_sent: int | None = None  # the native pool's helper limit, as last set
+
+
+def _kernel_rows(dtype: torch.dtype) -> int:
+    rows = MAX_ROWS.get(dtype, 0)
+    if packed_linear.is_enabled() and packed_linear.backend_for(dtype) == "onednn":
+        rows = min(rows, packed_linear.ONEDNN_MIN_ROWS - 1)
+    return rows
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the kernel serves a linear in `dtype`: MAX_ROWS, or fewer where
+    oneDNN's packed GEMM takes over earlier (`packed_linear.ONEDNN_MIN_ROWS`).
+
+    The native kernels' helper threads serve calls up to these rows; past them a decode step
+    runs torch's OpenMP GEMMs, whose still-spinning team the element-wise kernels then join
+    (on the helpers they raced it for the cores: a 16-row step of base-125m fp32 took twice
+    as long)."""
+    global _helper_rows_sent
+    if is_enabled():
+        limit = max(_kernel_rows(d) for d in MAX_ROWS)
+        if limit != _helper_rows_sent:
+            torch.ops.splitphase.set_helper_max_rows(limit)
+            _helper_rows_sent = limit
+    return _kernel_rows(dtype)
+
+
 def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
     if not is_enabled():  # first: a compiled graph that runs torch's path must not guard on rows
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (0 < rows <= MAX_ROWS.get(x.dtype, 0) and x.device.type == "cpu"):
+    if not (0 < rows <= max_rows(x.dtype) and x.device.type == "cpu"):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False

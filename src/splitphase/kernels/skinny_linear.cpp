@@ -376,12 +376,22 @@ std::vector<at::Tensor> skinny_linear(const at::Tensor& x, at::TensorList ws, in
   return ys;
 }
 
+// Calls over at most `rows` rows run on the helper threads, larger ones on torch's OpenMP team.
+static void set_helper_max_rows(int64_t rows) {
+  splitphase_pool::helper_max_rows().store(rows, std::memory_order_relaxed);
+}
+
 }  // namespace splitphase_ops
 
 TORCH_LIBRARY(splitphase, m) {
   m.def("skinny_linear(Tensor x, Tensor[] ws, int pass_rows=0) -> Tensor[]");
+  m.def("set_helper_max_rows(int rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
   m.impl("skinny_linear", &splitphase_ops::skinny_linear);
+}
+
+TORCH_LIBRARY_IMPL(splitphase, CatchAll, m) {
+  m.impl("set_helper_max_rows", &splitphase_ops::set_helper_max_rows);
 }

@@ -98,6 +98,7 @@ class Transformer(nn.Module):
         # ~0.1 ms a step. load_state_dict and .to() keep the Parameter objects (the latter
         # through _apply, which drops the list anyway).
         self._decode_weight_list: list[torch.Tensor] | None = None
+        self._head_packed = packed_linear.PackedWeight()  # the LM head past the skinny rows
         self.apply(self._init_weights)
         # GPT-2's residual scaling keeps the residual stream's variance flat with depth.
         for name, p in self.named_parameters():
@@ -165,12 +166,12 @@ class Transformer(nn.Module):
         weights = self._decode_weights()
         if not self.layers or not decode_stack.usable(flat, [*weights, self.norm.weight], plan):
             return None
-        past_skinny = flat.shape[0] > skinny.MAX_ROWS[flat.dtype]
-        if past_skinny and flat.dtype == torch.float32 and packed_linear.usable(flat, weights[1]):
+        past_skinny = flat.shape[0] > skinny.max_rows(flat.dtype)
+        if past_skinny and packed_linear.usable(flat, weights[1]):
             # Past the skinny kernel's rows the native pass calls torch's linear, which repacks
-            # each weight every call; the per-op path's GEMMs on packed weights won (base-125m
-            # fp32, 64 rows at context 256: 95.7 against 104.6 ms a step; at 48, level). Not
-            # measured for bf16, which keeps the native pass.
+            # each weight every call; the per-op path's GEMMs on packed weights won (base-125m,
+            # context 256: fp32 64 rows 95.7 against 104.6 ms a step on the Intel host; bf16 on
+            # the AMD host 0.84x the time at 9 rows, 0.81x at 16).
             return None
         out = decode_stack.decode_layers(
             flat, weights, self.norm.weight, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
@@ -179,6 +180,7 @@ class Transformer(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
         self._decode_weight_list = None  # .to(), .float(), ...: parameters may be new tensors
+        self._head_packed = packed_linear.PackedWeight()
         return super()._apply(fn, recurse)
 
     def _decode_weights(self) -> list[torch.Tensor]:
@@ -200,6 +202,12 @@ class Transformer(nn.Module):
         """Output head (tied or not): (..., D) -> (..., V). pass_rows: the tokens of the pass
         that made hidden, when it is that pass's last rows (picks the kernel's threads)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
+        # A decode step wider than the skinny kernel's rows: the packed GEMM, as its layers.
+        if hidden.device.type == "cpu" and rows > skinny.max_rows(hidden.dtype):
+            out = packed_linear.linear(hidden, weight, self._head_packed)
+            if out is not None:
+                return out
         return skinny.linear(hidden, weight, pass_rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
