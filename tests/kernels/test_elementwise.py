@@ -80,9 +80,11 @@ def test_residual_norm_is_the_add_then_the_native_norm(dtype: torch.dtype) -> No
         norm.weight.normal_()
     x, r = torch.randn(2, 9, 100).to(dtype), torch.randn(2, 9, 100).to(dtype)
     with torch.inference_mode():
-        s, y = norm.residual(x, r)
+        r_block = r.clone()
+        s, y = norm.residual(x, r_block)
+        assert s.data_ptr() == r_block.data_ptr()  # the sum is written over the block's output
         assert torch.equal(s, x + r) and torch.equal(y, norm(x + r))  # bit for bit
-    (s_fast, y_fast), (s_ref, y_ref) = _both(lambda: norm.residual(x, r))
+    (s_fast, y_fast), (s_ref, y_ref) = _both(lambda: norm.residual(x, r.clone()))
     assert torch.equal(s_fast, s_ref)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y_fast.float(), y_ref.float(), atol=tol, rtol=tol)
@@ -100,3 +102,6 @@ def test_silu_mul_matches_torch_and_ignores_position(dtype: torch.dtype) -> None
     with torch.inference_mode():
         for row in range(5):  # a row alone takes the same code as inside the batch
             assert torch.equal(elementwise.silu_mul(g[row], u[row]), fast[row])
+        g_out = g.clone()
+        over = elementwise.silu_mul_(g_out, u)
+        assert over.data_ptr() == g_out.data_ptr() and torch.equal(over, fast)

@@ -52,10 +52,11 @@ std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& 
   auto a = splitphase_ops::decode_attention(q.view({b, s.heads, s.head_dim}), k_pool, v_pool,
                                             s.slots, s.lengths);  // (B, H, D)
   auto o = linears(a.view({b, s.heads * s.head_dim}), {w[4]}, s.max_rows)[0];
-  auto [x2, h2] = splitphase_ops::add_rms_norm(x, o, w[5], s.eps);
+  auto [x2, h2] = splitphase_ops::add_rms_norm_(x, o, w[5], s.eps);  // x + o written over o
   auto gu = linears(h2, {w[6], w[7]}, s.max_rows);  // (B, d_ff) x2
-  auto m = splitphase_ops::silu_mul(gu[0], gu[1]);  // (B, d_ff)
-  return splitphase_ops::add_rms_norm(x2, linears(m, {w[8]}, s.max_rows)[0], next_norm, s.eps);
+  auto m = splitphase_ops::silu_mul_(gu[0], gu[1]);  // (B, d_ff), over the gate's output
+  auto d = linears(m, {w[8]}, s.max_rows)[0];
+  return splitphase_ops::add_rms_norm_(x2, d, next_norm, s.eps);
 }
 
 // x (B, d_model) through every layer; weights 9 per layer; k/v caches (L, N, G, D);

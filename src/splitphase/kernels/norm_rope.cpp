@@ -111,14 +111,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// (x + r, rms_norm(x + r)): a residual add and the next norm in one pass.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
-                                                const at::Tensor& w, double eps) {
+// s = x + r and y = rms_norm(s); s may be r itself (each element is read before it is written).
+static void add_rms_norm_into(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                              double eps, at::Tensor& s, at::Tensor& y) {
   TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && w.is_contiguous(), "contiguous");
   TORCH_CHECK(x.sizes() == r.sizes() && x.size(-1) == w.numel(), "shapes");
   TORCH_CHECK(x.scalar_type() == r.scalar_type() && x.scalar_type() == w.scalar_type(), "dtype");
-  auto s = at::empty_like(x);
-  auto y = at::empty_like(x);
   int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
   if (x.scalar_type() == at::kFloat) {
     add_rms_rows<float>(x.data_ptr<float>(), r.data_ptr<float>(), w.data_ptr<float>(),
@@ -131,7 +129,23 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16");
   }
   splitphase_pool::park_after(rows);
+}
+
+// (x + r, rms_norm(x + r)): a residual add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps) {
+  auto s = at::empty_like(x);
+  auto y = at::empty_like(x);
+  add_rms_norm_into(x, r, w, eps, s, y);
   return {s, y};
+}
+
+// The same with x + r written over r.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_(const at::Tensor& x, at::Tensor& r,
+                                                 const at::Tensor& w, double eps) {
+  auto y = at::empty_like(x);
+  add_rms_norm_into(x, r, w, eps, r, y);
+  return {r, y};
 }
 
 }  // namespace splitphase_ops
@@ -202,11 +216,13 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) r, Tensor w, float eps) -> (Tensor(a!), Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
   m.impl("rms_norm", &splitphase_ops::rms_norm);
   m.impl("add_rms_norm", &splitphase_ops::add_rms_norm);
+  m.impl("add_rms_norm_", &splitphase_ops::add_rms_norm_);
   m.impl("rope", &splitphase_ops::rope);
 }

@@ -34,10 +34,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
                                                 const at::Tensor& w, double eps);
 
+// The same with x + r written over r.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_(const at::Tensor& x, at::Tensor& r,
+                                                 const at::Tensor& w, double eps);
+
 // x (B, T, H, D) rotated by cos/sin (B or 1, T, D).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // silu(g) * u elementwise, each element independent of its position.
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u);
+
+// The same written over g.
+at::Tensor& silu_mul_(at::Tensor& g, const at::Tensor& u);
 
 }  // namespace splitphase_ops

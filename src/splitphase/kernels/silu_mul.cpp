@@ -75,10 +75,10 @@ void silu_mul_impl(const T* g, const T* u, T* y, int64_t n, int64_t rows) {
 
 namespace splitphase_ops {
 
-at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
+// Writes into y, which may be g itself: each element is read before it is written.
+static void silu_mul_into(const at::Tensor& g, const at::Tensor& u, at::Tensor& y) {
   TORCH_CHECK(g.sizes() == u.sizes() && g.is_contiguous() && u.is_contiguous(), "same shapes");
   TORCH_CHECK(g.scalar_type() == u.scalar_type(), "same dtype");
-  auto y = at::empty_like(g);
   const int64_t rows = g.dim() > 0 ? g.numel() / std::max<int64_t>(g.size(-1), 1) : 1;
   if (g.scalar_type() == at::kFloat) {
     silu_mul_impl(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel(), rows);
@@ -89,11 +89,27 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
     TORCH_CHECK(false, "silu_mul supports float32 and bfloat16");
   }
   splitphase_pool::park_after(rows);
+}
+
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
+  auto y = at::empty_like(g);
+  silu_mul_into(g, u, y);
   return y;
+}
+
+at::Tensor& silu_mul_(at::Tensor& g, const at::Tensor& u) {
+  silu_mul_into(g, u, g);
+  return g;
 }
 
 }  // namespace splitphase_ops
 
-TORCH_LIBRARY_FRAGMENT(splitphase, m) { m.def("silu_mul(Tensor g, Tensor u) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(splitphase, m) {
+  m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
+  m.def("silu_mul_(Tensor(a!) g, Tensor u) -> Tensor(a!)");
+}
 
-TORCH_LIBRARY_IMPL(splitphase, CPU, m) { m.impl("silu_mul", &splitphase_ops::silu_mul); }
+TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
+  m.impl("silu_mul", &splitphase_ops::silu_mul);
+  m.impl("silu_mul_", &splitphase_ops::silu_mul_);
+}

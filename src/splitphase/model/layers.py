@@ -68,8 +68,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def residual(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + r, this norm of it): a residual add and the norm after it, one pass natively."""
-        fused = elementwise.add_rms_norm(x, r, self.weight, self.eps)
+        """(x + r, this norm of it): a residual add and the norm after it, one pass natively.
+        r is a block's output, a temporary: the native pass writes x + r over it."""
+        fused = elementwise.add_rms_norm_(x, r, self.weight, self.eps)
         if fused is not None:
             return fused
         s = x + r
@@ -246,8 +247,8 @@ class SwiGLU(nn.Module):
 
     def intermediate(self, x: torch.Tensor) -> torch.Tensor:
         """The gated hidden state u = silu(gate(x)) * up(x): (..., d_ff), fused in decode."""
-        g, u = project(x, self.gate_proj, self.up_proj)  # (..., d_ff) each
-        return elementwise.silu_mul(g, u)
+        g, u = project(x, self.gate_proj, self.up_proj)  # (..., d_ff) each, fresh
+        return elementwise.silu_mul_(g, u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.intermediate(x))
