@@ -52,14 +52,18 @@ def test_rope_is_bit_exact(dtype: torch.dtype, per_batch: bool) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_reads_a_column_slice_of_a_fused_projection_in_place(dtype: torch.dtype) -> None:
-    b, t, h, d, g = 2, 5, 3, 16, 1
+@pytest.mark.parametrize("t", [5, 1])  # 1: a decode step's rows, one position each
+def test_rope_reads_a_column_slice_of_a_fused_projection_in_place(dtype: torch.dtype, t: int
+                                                                  ) -> None:
+    b, h, d, g = 3, 3, 16, 1
     cos, sin = rope_cos_sin(torch.arange(t), d, 10000.0, dtype)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D)
     qkv = torch.randn(b, t, (h + 2 * g) * d).to(dtype)  # one GEMM's output: q | k | v columns
     for lo, heads in ((0, h), (h * d, g)):
         x = qkv[..., lo : lo + heads * d].unflatten(-1, (heads, d))  # (B, T, heads, D), strided
         assert not x.is_contiguous()
+        with torch.inference_mode():
+            assert elementwise.rope(x, cos, sin) is not None  # the native pass took it
         fast, ref = _both(lambda x=x: apply_rope(x, cos, sin))
         assert fast.is_contiguous() and torch.equal(fast, ref)
         assert torch.equal(fast, apply_rope(x.contiguous(), cos, sin))

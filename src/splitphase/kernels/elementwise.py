@@ -60,12 +60,14 @@ def add_rms_norm_(
 
 
 def _rows_of_heads(x: torch.Tensor) -> bool:
-    """x (B, T, H, D) whose rows hold H*D contiguous values a fixed stride apart: a slice of a
-    fused Q/K/V projection's output, which the native rope reads in place."""
+    """x (B, T, H, D) whose (b, t) rows hold H*D contiguous values a fixed stride apart: a
+    slice of a fused Q/K/V projection's output, which the native rope reads in place. With
+    T = 1 (decode) the rows are the batch's, whatever stride torch gives the size-1 dim."""
     b, t, h, d = x.shape
-    return x.stride(3) == 1 and x.stride(2) == d and x.stride(1) >= h * d and (
-        x.stride(0) == t * x.stride(1)
-    )
+    if x.stride(3) != 1 or x.stride(2) != d:
+        return False
+    row = x.stride(0) if t == 1 else x.stride(1)
+    return row >= h * d and (t == 1 or x.stride(0) == t * x.stride(1))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -177,16 +177,21 @@ void rope_rows(const T* x, int64_t x_row_stride, const T* cs, const T* sn, T* y,
 
 namespace splitphase_ops {
 
-// Each (b, t) row of x holds its H*D values contiguously, rows a fixed stride apart (a slice of
-// a fused Q/K/V projection's output); the result is contiguous.
-static bool rows_of_heads(const at::Tensor& x) {
-  return x.dim() == 4 && x.stride(3) == 1 && x.stride(2) == x.size(3) &&
-         x.stride(1) >= x.size(2) * x.size(3) && x.stride(0) == x.size(1) * x.stride(1);
+// The distance between x's (b, t) rows when each holds its H*D values contiguously, rows a fixed
+// stride apart (a slice of a fused Q/K/V projection's output), else 0. With one position per
+// row (decode) the rows are the batch's, whatever stride torch gives the size-1 dim.
+static int64_t head_row_stride(const at::Tensor& x) {
+  if (x.dim() != 4 || x.stride(3) != 1 || x.stride(2) != x.size(3)) return 0;
+  const int64_t row = x.size(1) == 1 ? x.stride(0) : x.stride(1);
+  const bool fixed = x.size(1) == 1 || x.stride(0) == x.size(1) * x.stride(1);
+  return fixed && row >= x.size(2) * x.size(3) ? row : 0;
 }
 
 // x (B, T, H, D) rotated by cos/sin (B or 1, T, D): x * cos + rotate_half(x) * sin.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.is_contiguous() || rows_of_heads(x), "x (B, T, H, D), rows of contiguous heads");
+  // a contiguous x may have any stride on a size-1 dim: its rows are H*D apart
+  const int64_t row_stride = x.is_contiguous() ? x.size(2) * x.size(3) : head_row_stride(x);
+  TORCH_CHECK(row_stride > 0, "x (B, T, H, D), rows of contiguous heads");
   TORCH_CHECK(cos.dim() == 3 && cos.is_contiguous() && sin.is_contiguous(), "cos/sin (B|1,T,D)");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == x.size(1) && cos.size(2) == x.size(3),
               "cos/sin match x");
@@ -195,8 +200,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtype");
   auto y = at::empty(x.sizes(), x.options());  // contiguous whatever x's row stride
   bool per_batch = cos.size(0) == x.size(0) && x.size(0) > 1;
-  // a contiguous x may have any stride on a size-1 dim: its rows are H*D apart
-  const int64_t row_stride = x.is_contiguous() ? x.size(2) * x.size(3) : x.stride(1);
   if (x.scalar_type() == at::kFloat) {
     rope_rows<float>(x.data_ptr<float>(), row_stride, cos.data_ptr<float>(), sin.data_ptr<float>(),
                      y.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.size(3), per_batch);
