@@ -81,11 +81,14 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
     w = torch.randn(8, 32)
     with torch.inference_mode():
         skinny.linear(torch.randn(1, 3, 32), w)
-        skinny.linear(torch.randn(skinny.max_rows(torch.float32) + 1, 32), w)  # above: torch
-        above_bf16 = torch.randn(skinny.max_rows(torch.bfloat16) + 1, 32).bfloat16()
+        # Past max_rows a packed GEMM comes first; a call it left (the packing budget full)
+        # still takes the kernel up to MAX_ROWS.
+        skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32], 32), w)
+        skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32] + 1, 32), w)  # above: torch
+        above_bf16 = torch.randn(skinny.MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16()
         skinny.linear(above_bf16, w.bfloat16())  # above the bf16 limit: torch
         skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
-    assert calls == [3]
+    assert calls == [3, skinny.MAX_ROWS[torch.float32]]
 
 
 @pytest.mark.skipif(packed_linear.backends() != ["mkl", "onednn"], reason="needs both GEMMs")

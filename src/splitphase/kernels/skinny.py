@@ -65,7 +65,9 @@ def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
     if not is_enabled():  # first: a compiled graph that runs torch's path must not guard on rows
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (0 < rows <= max_rows(x.dtype) and x.device.type == "cpu"):
+    # MAX_ROWS, not max_rows: a call past max_rows gets here only where no packed GEMM took
+    # it (a weight the packing budget refused), and up to MAX_ROWS the kernel beats torch's.
+    if not (0 < rows <= MAX_ROWS.get(x.dtype, 0) and x.device.type == "cpu"):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
