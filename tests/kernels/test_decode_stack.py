@@ -110,19 +110,23 @@ def test_models_the_pass_does_not_cover_run_per_op(changes: dict, calls: list[in
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_past_the_skinny_rows_runs_per_op_on_packed_weights(dtype: str, calls: list[int]) -> None:
+def test_past_the_skinny_rows_linears_run_on_packed_weights(dtype: str, calls: list[int]) -> None:
     """Past skinny.max_rows the native pass would call torch's linear (a weight repack every
-    call): where the packed GEMM applies the per-op path runs, its LM head packed too, and
-    matches the torch reference; with packing off the native pass stays."""
+    call): oneDNN's packed copies run inside the pass, bit for bit the per-op path, the LM
+    head packed too (MKL's run in the per-op path); with packing off the pass calls torch's
+    linear. Each matches the torch reference."""
     model = _model(dtype=dtype)
     if packed_linear.backend_for(model.dtype) is None or not packed_linear.is_enabled():
         pytest.skip(f"this torch has no packed GEMM for {dtype}")
     rows = skinny.max_rows(model.dtype) + 1
     ids = _ids(model, rows, 7, seed=2)
-    per_op, _ = _decode(model, ids)
-    assert calls == [] and model._head_packed.nbytes > 0
-    _decode(model, ids[: rows - 1])
-    assert calls == [rows - 1] * 2
+    fused, c1 = _decode(model, ids)
+    in_pass = packed_linear.backend_for(model.dtype) == "onednn"
+    assert calls == ([rows] * 2 if in_pass else []) and model._head_packed.nbytes > 0
+    with decode_stack.switched(False):
+        per_op, c2 = _decode(model, ids)
+    assert torch.equal(fused, per_op)
+    assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
     calls.clear()
     with packed_linear.switched(False):
         _decode(model, ids)
@@ -130,7 +134,17 @@ def test_past_the_skinny_rows_runs_per_op_on_packed_weights(dtype: str, calls: l
     with skinny.switched(False), packed_linear.switched(False):
         ref, _ = _decode(model, ids)
     tol = 1e-4 if dtype == "float32" else 5e-2
-    torch.testing.assert_close(per_op.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(fused.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.skipif("mkl" not in packed_linear.backends(), reason="this torch has no MKL GEMM")
+def test_past_the_skinny_rows_mkl_packed_linears_run_per_op(calls: list[int]) -> None:
+    model = _model()
+    with packed_linear.using_backend("mkl"):
+        rows = skinny.max_rows(model.dtype) + 1
+        _decode(model, _ids(model, rows, 7, seed=2))
+    assert calls == []
 
 
 @needs_kernel

@@ -57,12 +57,15 @@ from splitphase.kernels.switch import Switch, switch_functions
 # and the packing would not pay for its memory.
 MIN_ROWS = 32
 
-# oneDNN's packed GEMM takes over from the skinny kernel from this many rows (fp32 and bf16):
-# on the AMD host it beat the kernel from 8 rows, by far past 16 (bench/skinny_rows.py,
-# base-125m's MLP linears, 2 threads: fp32 0.99x the kernel's time at 4 rows, 0.94x at 8,
-# 0.73x at 16, 0.68x at 32; bf16 0.98x at 8, 0.80x at 16). MKL's (Intel) keeps MIN_ROWS: there
-# the kernel was level with MKL's GEMM only at 48 rows.
-ONEDNN_MIN_ROWS = 9
+# oneDNN's packed GEMM takes over from the skinny kernel from this many rows (fp32 and bf16).
+# On the AMD host (2 threads, base-125m) it beat the kernel by far past 8 rows
+# (bench/skinny_rows.py, the MLP linears alone: fp32 0.94x the kernel's time at 8 rows, 0.73x
+# at 16, 0.68x at 32; bf16 0.80x at 16), and a whole decode step, its linears on the packed
+# copies inside the native pass, won from 4 rows: fp32 1.06-1.16x the kernel's step time at 3
+# rows, 0.94-0.98x at 4, 0.86-0.97x at 5, 0.84x at 6, 0.82x at 8; bf16 0.98-1.12x at 3,
+# 0.95-0.97x at 4, 0.98x at 5, 0.90x at 8. MKL's (Intel) keeps MIN_ROWS: there the kernel was
+# level with MKL's GEMM only at 48 rows.
+ONEDNN_MIN_ROWS = 5
 
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
 # copy out for the rows it is told, and a copy serves other row counts at that layout's speed:

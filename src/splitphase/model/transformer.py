@@ -166,17 +166,40 @@ class Transformer(nn.Module):
         weights = self._decode_weights()
         if not self.layers or not decode_stack.usable(flat, [*weights, self.norm.weight], plan):
             return None
-        past_skinny = flat.shape[0] > skinny.max_rows(flat.dtype)
-        if past_skinny and packed_linear.usable(flat, weights[1]):
-            # Past the skinny kernel's rows the native pass calls torch's linear, which repacks
-            # each weight every call; the per-op path's GEMMs on packed weights won (base-125m,
-            # context 256: fp32 64 rows 95.7 against 104.6 ms a step on the Intel host; bf16 on
-            # the AMD host 0.84x the time at 9 rows, 0.81x at 16).
-            return None
+        packed = None
+        if flat.shape[0] > skinny.max_rows(flat.dtype) and packed_linear.usable(flat, weights[1]):
+            # Past the skinny kernel's rows the native pass would call torch's linear, which
+            # repacks each weight every call; GEMMs on packed weights won (base-125m, context
+            # 256: fp32 64 rows 95.7 against 104.6 ms a step on the Intel host; bf16 on the AMD
+            # host 0.84x the time at 9 rows, 0.81x at 16). oneDNN's run inside the native pass;
+            # MKL's (and copies the packing budget refused) in the per-op path.
+            packed = self._decode_packed(flat.dtype)
+            if packed is None:
+                return None
         out = decode_stack.decode_layers(
-            flat, weights, self.norm.weight, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads
+            flat, weights, self.norm.weight, plan, c, s, self.cfg.norm_eps, self.cfg.n_heads,
+            packed,
         )
         return out.view_as(x)
+
+    def _decode_packed(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """oneDNN's packed copies the per-op path's linears use, 5 a layer in decode_stack's
+        order (Q/K/V stacked, O, gate, up, down); None where they are MKL's or refused."""
+        if packed_linear.backend_for(dtype) != "onednn":
+            return None
+        out: list[torch.Tensor] = []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            attn, mlp = layer.self_attn, cast(SwiGLU, layer.mlp)
+            wanted = [(attn.qkv_packed, [attn.q_proj.weight, attn.k_proj.weight,
+                                         attn.v_proj.weight])]
+            wanted += [(lin.packed, [lin.weight]) for lin in
+                       (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+            for pack, ws in wanted:
+                got = pack.get(ws, "onednn")
+                if got is None:
+                    return None
+                out.append(got[0])
+        return out
 
     def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
         self._decode_weight_list = None  # .to(), .float(), ...: parameters may be new tensors
