@@ -111,3 +111,22 @@ def test_cache_key_separates_threads_and_versions(cache: Path) -> None:
     other = {**key, "threads": key["threads"] + 1}
     assert cal._cache_path(key, True) != cal._cache_path(other, True)
     assert cal._cache_path(key, True).parent == cache
+
+
+def test_packed_products_compute_the_linear_each_packed_gemm_has() -> None:
+    import torch
+
+    from splitphase.kernels import packed_linear
+
+    x, w = torch.randn(64, 48), torch.randn(32, 48)
+    products = cal._packed_products(x, w)
+    assert len(products) == len(packed_linear.backends())  # every backend has fp32
+    for product in products:
+        torch.testing.assert_close(product(), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_peak_takes_the_fastest_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A product that costs nothing beats torch's matmul: the peak is the fastest one offered.
+    plain = cal.measure_gemm_flops_per_s("float32", max_n=256, repeats=2)
+    monkeypatch.setattr(cal, "_packed_products", lambda x, w: [lambda: None])
+    assert cal.measure_gemm_flops_per_s("float32", max_n=256, repeats=2) > 100 * plain
