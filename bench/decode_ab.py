@@ -1,4 +1,6 @@
-"""Decode step A/B in one process: the one-call native pass, the per-op native path, torch.
+"""Decode step A/B in one process: the one-call native pass, the per-op native path, torch,
+and the one-call pass with the skinny kernel up to its own MAX_ROWS (`kernel_max`: no early
+hand-over to oneDNN's packed GEMM, `packed_linear.ONEDNN_MIN_ROWS`).
 
 The variants alternate step by step (each on its own filled cache), so a busy spell on the
 shared machine hits all of them alike; each figure is the best step and the median.
@@ -20,19 +22,26 @@ import time
 import torch
 
 from splitphase.audit.flops import decode_bytes
-from splitphase.kernels import decode_stack, skinny
+from splitphase.kernels import decode_stack, packed_linear, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import triad_bytes_per_s
 from splitphase.perf.timing import filled_cache, time_decode
 
-VARIANTS = {"fused": (True, True), "per_op": (True, False), "torch": (False, False)}
+# (native kernels, one-call pass, rows from which oneDNN's packed GEMM takes over)
+VARIANTS = {
+    "fused": (True, True, packed_linear.ONEDNN_MIN_ROWS),
+    "per_op": (True, False, packed_linear.ONEDNN_MIN_ROWS),
+    "torch": (False, False, packed_linear.ONEDNN_MIN_ROWS),
+    "kernel_max": (True, True, max(skinny.MAX_ROWS.values()) + 1),
+}
 
 
 def _set(variant: str) -> None:
-    native, fused = VARIANTS[variant]
+    native, fused, onednn_min_rows = VARIANTS[variant]
     skinny.set_enabled(native)
     decode_stack.set_enabled(fused)
+    packed_linear.ONEDNN_MIN_ROWS = onednn_min_rows  # read at each call: a process-wide knob
 
 
 def _triad() -> float:

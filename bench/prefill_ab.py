@@ -4,7 +4,8 @@
 fp32 linears on packed weights within their memory budget); "unpacked" takes torch's
 linear instead (`SPLITPHASE_PACKED_PREFILL=0`); "packed-mkl" and "packed-onednn" force that
 packed GEMM (`SPLITPHASE_PACKED_GEMM`); "unfused" swaps in the torch arithmetic the
-element-wise passes replaced (`x + r` then the norm; `F.silu(g) * u`); "sdpa" runs attention through
+element-wise passes replaced (`x + r` then the norm; `F.silu(g) * u`); "fresh" has those native
+passes write new buffers instead of over the projection's output; "sdpa" runs attention through
 torch's SDPA instead of the native causal prefill kernel; everything else equal. Runs
 alternate, each timed after one untimed prefill in its variant (a backend switch repacks the
 weights there), each figure is the best run; the FLOP fraction uses
@@ -40,15 +41,25 @@ from splitphase.perf.peaks import matmul_peak_flops_per_s
 
 
 @contextlib.contextmanager
-def _unfused() -> Iterator[None]:
-    """The arithmetic before the fusions: separate add and norm, SiLU then multiply."""
-    real = elementwise.silu_mul, elementwise.add_rms_norm
-    elementwise.silu_mul = lambda g, u: F.silu(g) * u  # type: ignore[assignment]
-    elementwise.add_rms_norm = lambda *a: None  # type: ignore[assignment]
+def _swapped(silu_mul: Callable[..., object], add_rms_norm: Callable[..., object]
+             ) -> Iterator[None]:
+    """The model's element-wise passes (`silu_mul_`, `add_rms_norm_`) replaced inside."""
+    real = elementwise.silu_mul_, elementwise.add_rms_norm_
+    elementwise.silu_mul_, elementwise.add_rms_norm_ = silu_mul, add_rms_norm  # type: ignore
     try:
         yield
     finally:
-        elementwise.silu_mul, elementwise.add_rms_norm = real
+        elementwise.silu_mul_, elementwise.add_rms_norm_ = real
+
+
+def _unfused() -> contextlib.AbstractContextManager[None]:
+    """The arithmetic before the fusions: separate add and norm, SiLU then multiply."""
+    return _swapped(lambda g, u: F.silu(g) * u, lambda *a: None)
+
+
+def _fresh() -> contextlib.AbstractContextManager[None]:
+    """The native passes writing fresh buffers, not over the projection's output."""
+    return _swapped(elementwise.silu_mul, elementwise.add_rms_norm)
 
 
 def _unpacked() -> contextlib.AbstractContextManager[None]:
@@ -67,7 +78,8 @@ def _gemm(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
 
 
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused, "sdpa": _sdpa,
+    "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused,
+    "fresh": _fresh, "sdpa": _sdpa,
     **{f"packed-{name}": _gemm(name) for name in packed_linear.backends()}}
 
 

@@ -38,8 +38,8 @@ TIMED = [
     (torch.ops.mkldnn, "_linear_pointwise", "linears"),
     (prefill_attention, "causal", "attention"),
     (layers, "sdpa_gqa", "attention"),  # where the native kernel does not apply (bf16)
-    (elementwise, "silu_mul", "silu_mul"),
-    (elementwise, "add_rms_norm", "add_rms_norm"),
+    (elementwise, "silu_mul_", "silu_mul"),
+    (elementwise, "add_rms_norm_", "add_rms_norm"),
     (elementwise, "rms_norm", "rms_norm"),
     (elementwise, "rope", "rope"),
     (skinny, "linear", "lm_head"),

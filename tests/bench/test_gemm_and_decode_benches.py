@@ -37,3 +37,24 @@ def test_decode_vs_llamacpp_interleaves_or_says_what_is_missing() -> None:
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "llama.cpp's speed" in proc.stdout and "its linears alone" in proc.stdout
+
+
+def test_decode_ab_times_every_variant_past_the_hand_over() -> None:
+    rows = str(packed_linear.ONEDNN_MIN_ROWS + 1)
+    proc = _run("decode_ab.py", "--batch", rows, "--context", "16", "--steps", "2",
+                "--variants", "kernel_max", "fused", "per_op", "torch")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"float32 b{rows}:"))
+    assert all(f"{v} best" in line for v in ("kernel_max", "fused", "per_op", "torch"))
+
+
+def test_prefill_benches_time_the_passes_the_model_calls() -> None:
+    proc = _run("prefill_ab.py", "--lengths", "64", "--rounds", "1",
+                "--variants", "model", "fresh", "unfused")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fresh" in proc.stdout and "unfused" in proc.stdout
+    proc = _run("prefill_budget.py", "--lengths", "64", "--rounds", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shares = {ln.split()[0]: float(ln.split()[-1].rstrip("%")) for ln in proc.stdout.splitlines()
+              if ln.startswith("  ")}
+    assert shares["silu_mul"] > 0 and shares["add_rms_norm"] > 0  # the in-place passes are seen

@@ -4,9 +4,9 @@ At batch 1 the ~15 ops of a decoder layer each cost Python and dispatcher time c
 their arithmetic on small activations; the native `decode_layers` runs the same kernels in
 the same order from C++, so its output is bit-identical to the per-op path (which stays the
 fallback and, with the native kernels off, the torch reference). Past the skinny kernel's rows
-its linears run on the per-op path's own oneDNN-packed copies (a 9-48-row step of base-125m
-0.92-0.96x the per-op path's time in fp32, 0.88-0.93x in bf16, on the AMD host); where the
-packed GEMM is MKL's the per-op path runs those steps instead.
+its linears run on the per-op path's own oneDNN-packed copies (`bench/decode_ab.py --blocks`,
+base-125m on the AMD host: 0.93-0.95x the per-op path's step at 5-32 rows in fp32, 0.85-0.94x
+in bf16); where the packed GEMM is MKL's the per-op path runs those steps instead.
 """
 
 from __future__ import annotations

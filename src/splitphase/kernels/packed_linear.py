@@ -60,11 +60,12 @@ MIN_ROWS = 32
 # oneDNN's packed GEMM takes over from the skinny kernel from this many rows (fp32 and bf16).
 # On the AMD host (2 threads, base-125m) it beat the kernel by far past 8 rows
 # (bench/skinny_rows.py, the MLP linears alone: fp32 0.94x the kernel's time at 8 rows, 0.73x
-# at 16, 0.68x at 32; bf16 0.80x at 16), and a whole decode step, its linears on the packed
-# copies inside the native pass, won from 4 rows: fp32 1.06-1.16x the kernel's step time at 3
-# rows, 0.94-0.98x at 4, 0.86-0.97x at 5, 0.84x at 6, 0.82x at 8; bf16 0.98-1.12x at 3,
-# 0.95-0.97x at 4, 0.98x at 5, 0.90x at 8. MKL's (Intel) keeps MIN_ROWS: there the kernel was
-# level with MKL's GEMM only at 48 rows.
+# at 16, 0.68x at 32; bf16 0.80x at 16). A whole decode step with its linears on the packed
+# copies inside the native pass, against the kernel's, won from 4 rows (oneDNN forced from 2
+# rows, a script outside the repo: fp32 1.06-1.16x the time at 3 rows, 0.94-0.98x at 4; bf16
+# 0.98-1.12x at 3, 0.95-0.97x at 4); `bench/decode_ab.py --blocks --variants kernel_max fused`
+# at context 256: fp32 0.977x at 5 rows, 0.961x at 8, 0.731x at 32; bf16 0.966x, 0.924x,
+# 0.761x. MKL's (Intel) keeps MIN_ROWS: there the kernel was level with MKL's GEMM at 48 rows.
 ONEDNN_MIN_ROWS = 5
 
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed

@@ -170,9 +170,10 @@ class Transformer(nn.Module):
         if flat.shape[0] > skinny.max_rows(flat.dtype) and packed_linear.usable(flat, weights[1]):
             # Past the skinny kernel's rows the native pass would call torch's linear, which
             # repacks each weight every call; GEMMs on packed weights won (base-125m, context
-            # 256: fp32 64 rows 95.7 against 104.6 ms a step on the Intel host; bf16 on the AMD
-            # host 0.84x the time at 9 rows, 0.81x at 16). oneDNN's run inside the native pass;
-            # MKL's (and copies the packing budget refused) in the per-op path.
+            # 256: fp32 64 rows 95.7 against 104.6 ms a step on the Intel host). oneDNN's run
+            # inside the native pass (AMD host, `bench/decode_ab.py --blocks`: 0.93x the per-op
+            # path's step at 5-8 rows fp32, 0.85x bf16); MKL's, and copies the packing budget
+            # refused, in the per-op path.
             packed = self._decode_packed(flat.dtype)
             if packed is None:
                 return None
