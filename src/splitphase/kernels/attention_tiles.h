@@ -6,9 +6,12 @@
 // A scalar version of each serves machines without AVX-512 (slower; the softmax shifts by
 // the exact running max, so results agree within rounding).
 #pragma once
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -39,6 +42,33 @@ inline void qk_block(const float* q, int64_t ldq, const float* kt, int64_t d, fl
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NK; ++c) _mm512_storeu_ps(s + r * kKTile + 16 * c, acc[r][c]);
 }
+
+#if defined(__AVX512BF16__)
+#define SPLITPHASE_BF16_DOT 1
+// The same for bf16 q (row stride ldq) against the K tile packed as (D/2, 64, 2) bf16 pairs:
+// one VDPBF16PS multiplies two dimensions of 16 keys. The products are exact in fp32, as in
+// the widened path; the sums round in another order.
+template <int R, int NK>
+inline void qk_block(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* kp, int64_t d,
+                     float* s) {
+  __m512 acc[R][NK];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d / 2; ++i) {
+    __m512bh kv[NK];
+    for (int c = 0; c < NK; ++c)
+      kv[c] = (__m512bh)_mm512_loadu_si512(kp + i * 2 * kKTile + 32 * c);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, q + r * ldq + 2 * i, sizeof pair);
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], kv[c], qb);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NK; ++c) _mm512_storeu_ps(s + r * kKTile + 16 * c, acc[r][c]);
+}
+#endif
 
 // o[r][col:col+16NV] = alpha[r] * o[r][...] + sum_{j<n} p[r][j] * v[j][col:...]; v is (64, D).
 template <int R, int NV>
@@ -162,9 +192,10 @@ inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float*
 }
 #endif
 
-// qk_block for nr (1..6) rows and the first nk (1..4) vectors of 16 keys.
-template <int R>
-inline void qk_cols(int nk, const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+// qk_block for nr (1..6) rows and the first nk (1..4) vectors of 16 keys; Q is float (kt the
+// transposed tile) or, with SPLITPHASE_BF16_DOT, bf16 (kt the tile of pairs).
+template <int R, typename Q>
+inline void qk_cols(int nk, const Q* q, int64_t ldq, const Q* kt, int64_t d, float* s) {
   switch (nk) {
     case 1: return qk_block<R, 1>(q, ldq, kt, d, s);
     case 2: return qk_block<R, 2>(q, ldq, kt, d, s);
@@ -173,7 +204,8 @@ inline void qk_cols(int nk, const float* q, int64_t ldq, const float* kt, int64_
   }
 }
 
-inline void qk(int nr, int nk, const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+template <typename Q>
+inline void qk(int nr, int nk, const Q* q, int64_t ldq, const Q* kt, int64_t d, float* s) {
   switch (nr) {
     case 1: return qk_cols<1>(nk, q, ldq, kt, d, s);
     case 2: return qk_cols<2>(nk, q, ldq, kt, d, s);

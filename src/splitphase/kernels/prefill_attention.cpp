@@ -11,7 +11,10 @@
 // packed into contiguous tiles (K transposed): strided rows 1-5 KB apart would fall into a
 // few L1 sets and evict each other. bf16 inputs are widened to fp32 where they are copied
 // anyway (K/V into the tiles, a work item's queries into its scratch) and the output rounded
-// back once, so bf16 costs a conversion per element read, not a second kernel.
+// back once, so bf16 costs a conversion per element read, not a second kernel. Where the CPU
+// has AVX512-BF16, bf16 queries and keys stay bf16 and Q K^T takes VDPBF16PS, two dimensions
+// a multiply (bench/prefill_budget.py --dtype bfloat16, base-125m on the AMD host: attention
+// 0.78-0.87x the time at 512 tokens, 0.81-0.82x at 2048).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +24,7 @@
 #include <cmath>
 #include <memory>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "attention_tiles.h"
@@ -81,7 +85,20 @@ struct PackedKV {
   float* v_tile(int64_t seq, int64_t g, int64_t kt, int64_t d) {
     return k_tile(seq, g, kt, d) + kKTile * d;
   }
+  // bf16 keys for VDPBF16PS: the K tile's first half holds (D/2, 64, 2) bf16 pairs.
+  c10::BFloat16* k_pairs(int64_t seq, int64_t g, int64_t kt, int64_t d) {
+    return reinterpret_cast<c10::BFloat16*>(k_tile(seq, g, kt, d));
+  }
 };
+
+// bf16 queries and keys meet in VDPBF16PS where the CPU has it; everything else is widened.
+template <typename T>
+constexpr bool kPairs =
+#if defined(SPLITPHASE_BF16_DOT)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
 
 template <typename T>
 void pack_tile(const Seq<T>& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
@@ -89,12 +106,22 @@ void pack_tile(const Seq<T>& s, int64_t g, int64_t kt, int64_t d, float* kdst, f
   for (int64_t c = 0; c < kKTile; ++c) {
     int64_t key = kt * kKTile + c;
     if (key >= len) {
-      for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = 0.f;
+      if constexpr (kPairs<T>) {
+        auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
+        for (int64_t x = 0; x < d; ++x) kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = 0.f;
+      } else {
+        for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = 0.f;
+      }
       std::fill(vdst + c * d, vdst + (c + 1) * d, 0.f);
       continue;
     }
     const T* ks = s.k[key] + g * d;
-    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = static_cast<float>(ks[x]);
+    if constexpr (kPairs<T>) {
+      auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
+      for (int64_t x = 0; x < d; ++x) kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = ks[x];
+    } else {
+      for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = static_cast<float>(ks[x]);
+    }
     std::copy(s.v[key] + g * d, s.v[key] + (g + 1) * d, vdst + c * d);
   }
 }
@@ -132,6 +159,7 @@ struct Item {
 // g * H/G + j at the tile's position t), so a query position's rows are adjacent in q and out.
 struct Scratch {
   std::vector<float> q, o, s, stats;
+  std::vector<c10::BFloat16> q_pairs;  // bf16 queries as they are, for VDPBF16PS
   std::vector<int64_t> valid, pos;
 };
 
@@ -143,7 +171,10 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
   // Softmax in log2 units: 2^(c s) = e^(s / sqrt(D)).
   const float c = 1.4426950408889634f / std::sqrt(static_cast<float>(d));
   thread_local Scratch w;
-  w.q.resize(static_cast<size_t>(rows * d));
+  auto& qs = [&]() -> auto& {
+    if constexpr (kPairs<T>) return w.q_pairs; else return w.q;
+  }();
+  qs.resize(static_cast<size_t>(rows * d));
   w.o.assign(static_cast<size_t>(rows * d), 0.f);
   w.s.resize(static_cast<size_t>(kRows * kKTile));
   w.stats.assign(static_cast<size_t>(18 * rows + 16), 0.f);  // max, rescale, 16-lane sums
@@ -155,11 +186,14 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
   std::fill(m, m + rows, -1e30f);
   for (int64_t t = 0; t < tq; ++t) {  // the group's heads of one position are adjacent
     const T* src = s.q[t0 + t] + it.g * hg * d;
-    std::copy(src, src + hg * d, w.q.data() + t * hg * d);
+    std::copy(src, src + hg * d, qs.data() + t * hg * d);
   }
   for (int64_t kt = 0; kt < it.key_tiles; ++kt) {
     const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, s_len - k0);
-    const float* ktile = pk.k_tile(it.seq, it.g, kt, d);
+    const auto* ktile = [&] {
+      if constexpr (kPairs<T>) return pk.k_pairs(it.seq, it.g, kt, d);
+      else return pk.k_tile(it.seq, it.g, kt, d);
+    }();
     const float* vtile = pk.v_tile(it.seq, it.g, kt, d);
     for (int64_t r = 0; r < rows; r += kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
@@ -169,7 +203,7 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
         n = std::max(n, w.valid[r + i]);
       }
       if (n == 0) continue;  // the block sees none of this tile: its state stays as it is
-      splitphase_tiles::qk(nr, static_cast<int>(n_tiles(n, 16)), w.q.data() + r * d, d, ktile,
+      splitphase_tiles::qk(nr, static_cast<int>(n_tiles(n, 16)), qs.data() + r * d, d, ktile,
                            d, w.s.data());
       splitphase_tiles::softmax_rows(w.s.data(), nr, w.valid.data() + r, c, m + r, alpha + r,
                                      l + 16 * r);
