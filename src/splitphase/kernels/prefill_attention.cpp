@@ -100,28 +100,31 @@ constexpr bool kPairs =
     false;
 #endif
 
+// Key c's D values (ks, or zeros where null) into its K tile: transposed fp32, or for
+// VDPBF16PS (D/2, 64, 2) bf16 pairs.
+template <typename T>
+void put_key(float* kdst, int64_t c, const T* ks, int64_t d) {
+  if constexpr (kPairs<T>) {
+    auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
+    for (int64_t x = 0; x < d; ++x) {
+      kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = ks ? ks[x] : T(0.f);
+    }
+  } else {
+    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = ks ? static_cast<float>(ks[x]) : 0.f;
+  }
+}
+
 template <typename T>
 void pack_tile(const Seq<T>& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
   const int64_t len = static_cast<int64_t>(s.k.size());
   for (int64_t c = 0; c < kKTile; ++c) {
     int64_t key = kt * kKTile + c;
     if (key >= len) {
-      if constexpr (kPairs<T>) {
-        auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
-        for (int64_t x = 0; x < d; ++x) kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = 0.f;
-      } else {
-        for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = 0.f;
-      }
+      put_key<T>(kdst, c, nullptr, d);
       std::fill(vdst + c * d, vdst + (c + 1) * d, 0.f);
       continue;
     }
-    const T* ks = s.k[key] + g * d;
-    if constexpr (kPairs<T>) {
-      auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
-      for (int64_t x = 0; x < d; ++x) kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = ks[x];
-    } else {
-      for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = static_cast<float>(ks[x]);
-    }
+    put_key(kdst, c, s.k[key] + g * d, d);
     std::copy(s.v[key] + g * d, s.v[key] + (g + 1) * d, vdst + c * d);
   }
 }
