@@ -162,8 +162,7 @@ def _measure(quick: bool, key: dict[str, Any], price_usd_per_hour: float) -> Har
         source=(
             f"measured {'quick' if quick else 'full'}: triad {mib} MiB/array, square GEMM (torch's "
             f"or packed) up to n={max_n}; {key['cpu']}, {key['threads']} torch threads, torch "
-            f"{key['torch']}; "
-            f"price assumed"
+            f"{key['torch']}; price assumed"
         ),
     )
 

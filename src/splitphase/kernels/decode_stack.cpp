@@ -10,7 +10,6 @@
 #include <torch/library.h>
 
 #include <optional>
-
 #include <tuple>
 #include <vector>
 
@@ -20,7 +19,6 @@
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 9;  // in_norm, q, k, v, o, post_norm, gate, up, down
-
 constexpr int64_t kPackedPerLayer = 5;   // oneDNN-packed: q|k|v stacked, o, gate, up, down
 
 // x @ w.T on oneDNN's packed copy of w, the op packed_linear.py calls.

@@ -368,7 +368,8 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.dtype != w.dtype or x.device.type != "cpu":
         return False
-    if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < ONEDNN_MIN_ROWS * x.shape[-1]:
+    fewest = min(ONEDNN_MIN_ROWS, MIN_ROWS)  # the exact bound (`min_rows`) needs the backend
+    if x.dim() == 0 or x.shape[-1] != w.shape[1] or x.numel() < fewest * x.shape[-1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False  # the packed ops have no backward: training keeps torch's linear
