@@ -185,12 +185,16 @@ inline void park_after(int64_t rows) {
   }
 }
 
-// Calls fn(begin, end) over [0, n) in chunks of at least `grain`, on all intra-op threads;
-// `rows` is the tokens the call covers (it picks the thread team, above).
+// Calls fn(begin, end) over [0, n) in chunks of at least `grain`, about `per_thread` chunks
+// for each intra-op thread; `rows` is the tokens the call covers (it picks the thread team,
+// above). Many small chunks bound what a descheduled helper holds up; few large ones cost
+// fewer claims and restarts (the skinny kernel's choice, see there).
 inline void parallel_chunks(int64_t n, int64_t grain, int64_t rows,
-                            const std::function<void(int64_t, int64_t)>& fn) {
+                            const std::function<void(int64_t, int64_t)>& fn,
+                            int64_t per_thread = 32) {
   int threads = at::get_num_threads();
-  int64_t chunk = std::max<int64_t>(grain, (n + 32 * threads - 1) / (32 * threads));
+  int64_t parts = per_thread * threads;
+  int64_t chunk = std::max<int64_t>(grain, (n + parts - 1) / parts);
   int64_t n_chunks = (n + chunk - 1) / chunk;
   if (threads <= 1 || n_chunks <= 1) {
     fn(0, n);
