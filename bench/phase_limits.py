@@ -30,7 +30,7 @@ import torch
 
 from splitphase.hardware.calibrate import cpu_model_name
 from splitphase.hardware.memory import keep_freed_memory
-from splitphase.kernels import build, packed_linear, skinny
+from splitphase.kernels import build, packed_linear, prefill_attention, skinny
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -347,6 +347,7 @@ def main() -> None:
         "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
         "packed_prefill_linears": packed_linear.mode(),
         "packed_prefill_gemm": packed_linear.backend(),
+        "bf16_prefill_attention": "native" if prefill_attention.takes_bf16() else "sdpa",
         "malloc_keeps_freed_memory": kept,
         "llamacpp_version": llama_cpp_module()[1],
         "torch": torch.__version__,

@@ -123,7 +123,8 @@ def test_bf16_is_the_fp32_result_rounded_once(t: int, s: int) -> None:
     # bf16 in, widened to fp32 in the tiles, rounded once on the way out: what SDPA gives in
     # fp32 on the same bf16 values, to within that rounding (and fp32 sums near zero).
     q, k, v = (x.bfloat16() for x in _qkv(2, t, s, 12, 4, 64, seed=11))
-    got = prefill_attention.causal(q, k, v)
+    with prefill_attention.bf16_switched(True):
+        got = prefill_attention.causal(q, k, v)
     assert got is not None and got.dtype == torch.bfloat16
     want = _sdpa(q.float(), k.float(), v.float())
     torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-8)
@@ -138,10 +139,33 @@ def test_bf16_paged_chunks_match_the_gathered_fp32_sdpa() -> None:
     rows, slots = torch.arange(3, 43), torch.randperm(300, generator=g)[:60]
     out = torch.zeros(50, 12 * 64, dtype=torch.bfloat16)
     chunks = prefill_attention.PagedChunks.build([(rows, slots)])
-    assert prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out)
+    with prefill_attention.bf16_switched(True):
+        assert prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out)
     want = _sdpa(q[rows][None].float(), k_pool[slots][None].float(), v_pool[slots][None].float())
     torch.testing.assert_close(out[rows].float(), want[0], atol=1e-6, rtol=2**-8)
     assert not prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out.float())
+
+
+@needs_kernel
+def test_bf16_goes_to_sdpa_when_switched_off_and_fp32_stays() -> None:
+    q, k, v = _qkv(1, 20, 20, 12, 4, 64)
+    with prefill_attention.bf16_switched(False):
+        assert prefill_attention.causal(q.bfloat16(), k.bfloat16(), v.bfloat16()) is None
+        assert prefill_attention.causal(q, k, v) is not None
+    with prefill_attention.bf16_switched(True):
+        assert prefill_attention.causal(q.bfloat16(), k.bfloat16(), v.bfloat16()) is not None
+
+
+def test_bf16_takes_the_kernel_unless_torch_sdpa_has_amx_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert prefill_attention.takes_bf16() == (not torch.cpu._is_amx_tile_supported())
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert prefill_attention._sdpa_multiplies_bf16_on_amx()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not prefill_attention._sdpa_multiplies_bf16_on_amx()
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert not prefill_attention._sdpa_multiplies_bf16_on_amx()
 
 
 def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:

@@ -6,11 +6,13 @@ skips key tiles above the diagonal and reads each K/V tile once for all the quer
 its group (GQA), reading K/V in place: a strided view of the contiguous KV cache, or a paged
 pool through slots. It computes in fp32 and covers fp32 or bf16 inputs (bf16 widened as K/V
 and queries are copied into its tiles, the output rounded once) with a head_dim that is a
-multiple of 16; anything else (GPU, fp16, autograd) is left to the caller's torch path.
+multiple of 16; anything else (GPU, fp16, autograd) is left to the caller's torch path,
+and so is bf16 on a CPU with AMX tiles, where torch's own kernel multiplies on them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +36,30 @@ set_enabled, switched, is_enabled = switch_functions(
 )
 
 
+def _sdpa_multiplies_bf16_on_amx() -> bool:
+    """True where torch's CPU flash attention runs bf16 products on AMX tiles (oneDNN brgemm)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+# bf16 through the native kernel, or through SDPA. On the Intel AMX host one layer of
+# base-125m's attention (12 query heads over 4 K/V heads) took SDPA 0.39-0.59x the kernel's
+# time at 64-2048 tokens, 0.43x for a 256-token chunk after 768 cached (fp32: 0.82x at 64
+# tokens, 1.4-2.0x from 128): a 512-token bf16 prefill 0.95x, 2048 tokens 0.64x. Where the CPU
+# has no AMX the kernel's VDPBF16PS products are the faster path (the AMD host).
+_BF16 = Switch(on=not _sdpa_multiplies_bf16_on_amx())
+
+
+def bf16_switched(on: bool) -> contextlib.AbstractContextManager[None]:
+    """bf16 through the native kernel (on) or torch's SDPA (off) inside the block."""
+    return _BF16.switched(on)
+
+
+def takes_bf16() -> bool:
+    """Whether bf16 inputs take the native kernel here (off where the CPU has AMX tiles)."""
+    return _BF16.on
+
+
 def _rows_ok(x: torch.Tensor) -> bool:
     """Each row's heads contiguous (H*D values, any stride between rows): what the kernel reads."""
     return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
@@ -43,6 +69,8 @@ def _ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return False
     if k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
+        return False
+    if q.dtype == torch.bfloat16 and not _BF16.on:
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
