@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import build, prefill_attention
+from splitphase.kernels import build, packed_linear, prefill_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
@@ -156,16 +156,8 @@ def test_bf16_goes_to_sdpa_when_switched_off_and_fp32_stays() -> None:
         assert prefill_attention.causal(q.bfloat16(), k.bfloat16(), v.bfloat16()) is not None
 
 
-def test_bf16_takes_the_kernel_unless_torch_sdpa_has_amx_tiles(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert prefill_attention.takes_bf16() == (not torch.cpu._is_amx_tile_supported())
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert prefill_attention._sdpa_multiplies_bf16_on_amx()
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert not prefill_attention._sdpa_multiplies_bf16_on_amx()
-    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert not prefill_attention._sdpa_multiplies_bf16_on_amx()
+def test_bf16_takes_the_kernel_unless_the_cpu_has_amx_tiles() -> None:
+    assert prefill_attention.takes_bf16() == (not packed_linear.AMX_TILES)
 
 
 def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:

@@ -95,14 +95,41 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
 def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
     fp32, bf16 = torch.float32, torch.bfloat16
     with packed_linear.using_backend("onednn"):
-        assert skinny.max_rows(fp32) == skinny.max_rows(bf16) == packed_linear.ONEDNN_MIN_ROWS - 1
+        assert skinny.max_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS - 1
+        assert skinny.max_rows(bf16) == packed_linear.min_rows(bf16) - 1
         assert packed_linear.min_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS
         with packed_linear.switched(False):
             assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
     with packed_linear.using_backend("mkl"):
         assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
         assert packed_linear.min_rows(fp32) == packed_linear.MIN_ROWS
-        assert packed_linear.min_rows(bf16) == packed_linear.ONEDNN_MIN_ROWS  # bf16: oneDNN's
+        assert packed_linear.min_rows(bf16) != packed_linear.MIN_ROWS  # bf16: oneDNN's
+
+
+@pytest.mark.skipif("onednn" not in packed_linear.backends(), reason="needs oneDNN's GEMM")
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_stays_on_the_kernel_to_its_own_rows_where_onednn_has_amx(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed_linear, "AMX_TILES", amx)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    with packed_linear.using_backend("onednn"):
+        want = packed_linear.AMX_BF16_MIN_ROWS if amx else packed_linear.ONEDNN_MIN_ROWS
+        assert packed_linear.min_rows(bf16) == want
+        assert packed_linear.min_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS  # fp32: no AMX
+        assert skinny.max_rows(bf16) == min(want - 1, skinny.MAX_ROWS[bf16])
+        x, w = torch.randn(want - 1, 32).bfloat16(), torch.randn(16, 32).bfloat16()
+        assert not packed_linear.usable(x, w)
+        assert packed_linear.usable(torch.randn(want, 32).bfloat16(), w)
+
+
+def test_amx_probe_reads_torch_and_is_false_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert packed_linear.cpu_has_amx_tiles()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not packed_linear.cpu_has_amx_tiles()
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert not packed_linear.cpu_has_amx_tiles()
 
 
 @needs_kernel

@@ -68,6 +68,23 @@ MIN_ROWS = 32
 # 0.761x. MKL's (Intel) keeps MIN_ROWS: there the kernel was level with MKL's GEMM at 48 rows.
 ONEDNN_MIN_ROWS = 5
 
+# bf16 on a CPU with AMX tiles: oneDNN multiplies on them at about one cost from 1 to 16 rows,
+# and the skinny kernel keeps bf16 up to its own MAX_ROWS (8). On the Intel AMX host
+# (`bench/decode_ab.py --blocks --batch 4 5 6 8 --variants fused kernel_max --dtypes bfloat16`,
+# context 512) a step with the kernel took 0.747x the hand-over's time at 5 rows, 0.805x at 6,
+# 0.958x at 8.
+AMX_BF16_MIN_ROWS = 9
+
+
+def cpu_has_amx_tiles() -> bool:
+    """True where oneDNN (torch's bf16 GEMMs and CPU flash attention) can multiply bf16 on
+    AMX tiles."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+AMX_TILES = cpu_has_amx_tiles()
+
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
 # copy out for the rows it is told, and a copy serves other row counts at that layout's speed:
 # on the 2-core machine (base-125m's four shapes, 2 threads) packed for 32 rows, 512-row GEMMs
@@ -219,7 +236,11 @@ def backend_for(dtype: torch.dtype) -> str | None:
 
 def min_rows(dtype: torch.dtype) -> int:
     """Rows from which a linear in `dtype` takes the packed GEMM (when one is usable)."""
-    return ONEDNN_MIN_ROWS if backend_for(dtype) == "onednn" else MIN_ROWS
+    if backend_for(dtype) != "onednn":
+        return MIN_ROWS
+    if dtype == torch.bfloat16 and AMX_TILES:
+        return max(ONEDNN_MIN_ROWS, AMX_BF16_MIN_ROWS)
+    return ONEDNN_MIN_ROWS
 
 
 def set_backend(name: str | None) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from splitphase.kernels import skinny
+from splitphase.kernels import packed_linear, skinny
 from splitphase.kernels.switch import Switch, switch_functions
 
 _SWITCH = Switch()
@@ -36,18 +36,13 @@ set_enabled, switched, is_enabled = switch_functions(
 )
 
 
-def _sdpa_multiplies_bf16_on_amx() -> bool:
-    """True where torch's CPU flash attention runs bf16 products on AMX tiles (oneDNN brgemm)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
-
-
-# bf16 through the native kernel, or through SDPA. On the Intel AMX host one layer of
+# bf16 through the native kernel, or through SDPA, whose flash kernel multiplies bf16 on AMX
+# tiles where the CPU has them (oneDNN's brgemm). On the Intel AMX host one layer of
 # base-125m's attention (12 query heads over 4 K/V heads) took SDPA 0.39-0.59x the kernel's
 # time at 64-2048 tokens, 0.43x for a 256-token chunk after 768 cached (fp32: 0.82x at 64
 # tokens, 1.4-2.0x from 128): a 512-token bf16 prefill 0.95x, 2048 tokens 0.64x. Where the CPU
 # has no AMX the kernel's VDPBF16PS products are the faster path (the AMD host).
-_BF16 = Switch(on=not _sdpa_multiplies_bf16_on_amx())
+_BF16 = Switch(on=not packed_linear.AMX_TILES)
 
 
 def bf16_switched(on: bool) -> contextlib.AbstractContextManager[None]:

@@ -40,13 +40,13 @@ _helper_rows_sent: int | None = None  # the native pool's helper limit, as last 
 def _kernel_rows(dtype: torch.dtype) -> int:
     rows = MAX_ROWS.get(dtype, 0)
     if packed_linear.is_enabled() and packed_linear.backend_for(dtype) == "onednn":
-        rows = min(rows, packed_linear.ONEDNN_MIN_ROWS - 1)
+        rows = min(rows, packed_linear.min_rows(dtype) - 1)
     return rows
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the kernel serves a linear in `dtype`: MAX_ROWS, or fewer where
-    oneDNN's packed GEMM takes over earlier (`packed_linear.ONEDNN_MIN_ROWS`).
+    oneDNN's packed GEMM takes over earlier (`packed_linear.min_rows`).
 
     The native kernels' helper threads serve calls up to these rows; past them a decode step
     runs torch's OpenMP GEMMs, whose still-spinning team the element-wise kernels then join
