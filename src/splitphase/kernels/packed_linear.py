@@ -171,8 +171,12 @@ GEMMS: dict[str, _Gemm] = {
 }
 
 # Under `auto`, oneDNN only when its probe GEMM takes under this share of MKL's time: where
-# the two are close (Intel), MKL's stays, as measured there over many runs.
-PROBE_MARGIN = 0.9
+# the two are close (Intel), MKL's stays, as measured there over many runs. At 0.9, with one
+# timing each, a slow spell in MKL's turn picked oneDNN on the Intel host in one process of
+# six (its best 1.96 ms against 1.76; the next pair 1.85 and 1.64), and with it decode's early
+# hand-over: a batch-8 fp32 step 33.1 ms against 26.2. On the AMD host oneDNN took 0.4x.
+PROBE_MARGIN = 0.75
+PROBE_ROUNDS = 3  # each backend timed this many times, alternating; best of each
 PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out: ~0.5 GFLOP, a few ms a call
 
 _GEMM_ENV = os.environ.get("SPLITPHASE_PACKED_GEMM", "auto").lower()
@@ -208,6 +212,16 @@ def _probe_s(name: str) -> float:
     return best
 
 
+def _probe_all(names: list[str]) -> dict[str, float]:
+    """Each backend's best probe time over PROBE_ROUNDS turns, alternating, so a slow spell
+    hits them alike."""
+    best = dict.fromkeys(names, math.inf)
+    for _ in range(PROBE_ROUNDS):
+        for name in names:
+            best[name] = min(best[name], _probe_s(name))
+    return best
+
+
 def pick(seconds: dict[str, float]) -> str:
     """The backend `auto` takes given each one's probe time: MKL's unless oneDNN's is clearly
     faster, the only one where one is missing."""
@@ -222,7 +236,7 @@ def backend() -> str | None:
     global _chosen
     if _chosen is None:
         have = backends()
-        _chosen = pick({name: _probe_s(name) for name in have}) if have else None
+        _chosen = pick(_probe_all(have)) if have else None
     return _chosen
 
 
