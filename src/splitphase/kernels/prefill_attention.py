@@ -38,10 +38,11 @@ set_enabled, switched, is_enabled = switch_functions(
 
 # bf16 through the native kernel, or through SDPA, whose flash kernel multiplies bf16 on AMX
 # tiles where the CPU has them (oneDNN's brgemm). On the Intel AMX host one layer of
-# base-125m's attention (12 query heads over 4 K/V heads) took SDPA 0.39-0.59x the kernel's
-# time at 64-2048 tokens, 0.43x for a 256-token chunk after 768 cached (fp32: 0.82x at 64
-# tokens, 1.4-2.0x from 128): a 512-token bf16 prefill 0.95x, 2048 tokens 0.64x. Where the CPU
-# has no AMX the kernel's VDPBF16PS products are the faster path (the AMD host).
+# base-125m's attention (12 query heads over 4 K/V heads) took SDPA 0.39-0.79x the kernel's
+# time at 64-2048 tokens (0.59x or less from 256), 0.43x for a 256-token chunk after 768
+# cached (fp32: 0.82x at 64 tokens, 1.4-2.0x from 128): a 512-token bf16 prefill 0.95x, 2048
+# tokens 0.64x. Without AMX the kernel is the faster path (the AMD host, session 21: a bf16
+# prefill of 512 tokens 146.1 ms on it, 197.5 on SDPA).
 _BF16 = Switch(on=not packed_linear.AMX_TILES)
 
 

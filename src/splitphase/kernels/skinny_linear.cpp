@@ -32,7 +32,7 @@ constexpr int64_t kGrainRows = 16;
 // claim, which dominated the small projections (an O projection of 768x768 bf16 is 1.2 MB,
 // about 20 us). A b1 decode step of base-125m (context 512), old and new interleaved, took
 // 0.80-0.92x the time in bf16 and 0.91-1.0x in fp32 on the Zen 5 host (2 and 8 a thread: no
-// better), 0.87-0.94x and 0.97-0.98x on the Intel host; batch 8 0.95-1.0x. The price: a
+// better), 0.87-0.94x and 0.97-1.0x on the Intel host; batch 8 0.95-1.02x. The price: a
 // helper that loses its core holds up an eighth of a call, not 1/64.
 constexpr int64_t kChunksPerThread = 4;
 
@@ -175,7 +175,7 @@ inline __m512bh pairs_tail(const c10::BFloat16* p, int64_t n) {  // n < 32, zero
 // than the hardware prefetcher alone on bf16 rows of 768 on the Intel host (256 to 1024 bytes
 // tried; eight rows a group instead of four was no faster). On the Zen 5 host, with the
 // coarser chunks, 768-1024 was best at batch 1 (1536 slower) and 1024 at batches 2-4 (512:
-// 4-10% slower); on the Intel host with those chunks 1024 was 1-6% faster than 512 at b1.
+// 4-10% slower); on the Intel host with those chunks 512 took 2-6% longer at b1.
 constexpr int kPrefetchBytes = 1024;
 
 // out[r] = dot(w + r * stride, x) for four weight rows: four streams in flight, x loaded
