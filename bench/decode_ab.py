@@ -1,6 +1,7 @@
 """Decode step A/B in one process: the one-call native pass, the per-op native path, torch,
 and the one-call pass with the skinny kernel up to its own MAX_ROWS (`kernel_max`: no early
-hand-over to oneDNN's packed GEMM, `packed_linear.ONEDNN_MIN_ROWS`).
+hand-over to oneDNN's packed GEMM, `packed_linear.ONEDNN_MIN_ROWS`); where the kernel has AMX
+tiles, bf16 without them (`no_amx_tiles`) or handed to oneDNN past 8 rows (`onednn_past_8`).
 
 The variants alternate step by step (each on its own filled cache), so a busy spell on the
 shared machine hits all of them alike; each figure is the best step and the median.
@@ -18,6 +19,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -28,20 +30,36 @@ from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import triad_bytes_per_s
 from splitphase.perf.timing import filled_cache, time_decode
 
-# (native kernels, one-call pass, rows from which oneDNN's packed GEMM takes over)
+
+class Variant(NamedTuple):
+    native: bool  # the native kernels
+    fused: bool  # the one-call decode pass
+    onednn_min_rows: int  # rows from which oneDNN's packed GEMM takes over (fp32, bf16)
+    amx_min_rows: int = skinny.AMX_MIN_ROWS  # bf16 rows from which the kernel uses AMX tiles
+    amx_bf16_min_rows: int = packed_linear.AMX_BF16_MIN_ROWS  # oneDNN's bf16 rows with AMX
+
+
+ONEDNN = packed_linear.ONEDNN_MIN_ROWS
 VARIANTS = {
-    "fused": (True, True, packed_linear.ONEDNN_MIN_ROWS),
-    "per_op": (True, False, packed_linear.ONEDNN_MIN_ROWS),
-    "torch": (False, False, packed_linear.ONEDNN_MIN_ROWS),
-    "kernel_max": (True, True, max(skinny.MAX_ROWS.values()) + 1),
+    "fused": Variant(True, True, ONEDNN),
+    "per_op": Variant(True, False, ONEDNN),
+    "torch": Variant(False, False, ONEDNN),
+    "kernel_max": Variant(True, True, max(skinny.MAX_ROWS.values()) + 1),
+    # Where the kernel has AMX tiles: bf16 on VDPBF16PS alone, or handed to oneDNN past 8 rows.
+    "no_amx_tiles": Variant(True, True, ONEDNN, amx_min_rows=0),
+    "onednn_past_8": Variant(True, True, ONEDNN, amx_bf16_min_rows=9),
 }
 
 
 def _set(variant: str) -> None:
-    native, fused, onednn_min_rows = VARIANTS[variant]
-    skinny.set_enabled(native)
-    decode_stack.set_enabled(fused)
-    packed_linear.ONEDNN_MIN_ROWS = onednn_min_rows  # read at each call: a process-wide knob
+    v = VARIANTS[variant]
+    skinny.set_enabled(v.native)
+    decode_stack.set_enabled(v.fused)
+    # Module attributes read at each call: process-wide knobs.
+    packed_linear.ONEDNN_MIN_ROWS = v.onednn_min_rows
+    packed_linear.AMX_BF16_MIN_ROWS = v.amx_bf16_min_rows
+    if skinny.amx_kernel():
+        torch.ops.splitphase.set_amx_min_rows(v.amx_min_rows)
 
 
 def _triad() -> float:

@@ -85,7 +85,7 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
         # still takes the kernel up to MAX_ROWS.
         skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32], 32), w)
         skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32] + 1, 32), w)  # above: torch
-        above_bf16 = torch.randn(skinny.MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16()
+        above_bf16 = torch.randn(skinny.own_rows(torch.bfloat16) + 1, 32).bfloat16()
         skinny.linear(above_bf16, w.bfloat16())  # above the bf16 limit: torch
         skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
     assert calls == [3, skinny.MAX_ROWS[torch.float32]]
@@ -117,7 +117,7 @@ def test_bf16_stays_on_the_kernel_to_its_own_rows_where_onednn_has_amx(
         want = packed_linear.AMX_BF16_MIN_ROWS if amx else packed_linear.ONEDNN_MIN_ROWS
         assert packed_linear.min_rows(bf16) == want
         assert packed_linear.min_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS  # fp32: no AMX
-        assert skinny.max_rows(bf16) == min(want - 1, skinny.MAX_ROWS[bf16])
+        assert skinny.max_rows(bf16) == min(want - 1, skinny.own_rows(bf16))
         x, w = torch.randn(want - 1, 32).bfloat16(), torch.randn(16, 32).bfloat16()
         assert not packed_linear.usable(x, w)
         assert packed_linear.usable(torch.randn(want, 32).bfloat16(), w)
@@ -130,6 +130,34 @@ def test_amx_probe_reads_torch_and_is_false_without_it(monkeypatch: pytest.Monke
     assert not packed_linear.cpu_has_amx_tiles()
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     assert not packed_linear.cpu_has_amx_tiles()
+
+
+@pytest.mark.skipif(not skinny.amx_kernel(), reason="the kernel has no AMX tiles here")
+def test_bf16_on_amx_tiles_is_exact_to_one_rounding_and_batch_and_thread_invariant() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(skinny.AMX_MAX_ROWS, 768, generator=g).bfloat16()
+    ws = [(torch.randn(n, 768, generator=g) * 0.05).bfloat16() for n in (768, 32, 256)]
+    with torch.inference_mode():
+        full = torch.ops.splitphase.skinny_linear(x, ws)
+        for y, w in zip(full, ws, strict=True):
+            exact = x.float() @ w.float().T
+            torch.testing.assert_close(y.float(), exact, rtol=2**-7, atol=1e-3)
+        for n in range(skinny.AMX_MIN_ROWS, skinny.AMX_MAX_ROWS):
+            for y, f in zip(torch.ops.splitphase.skinny_linear(x[:n], ws), full, strict=True):
+                assert torch.equal(y, f[:n])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            alone = torch.ops.splitphase.skinny_linear(x, ws)
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(a, f) for a, f in zip(alone, full, strict=True))
+        try:  # the tiles, not VDPBF16PS, gave those: with them off the sums differ
+            torch.ops.splitphase.set_amx_min_rows(0)
+            plain = torch.ops.splitphase.skinny_linear(x, ws)
+        finally:
+            torch.ops.splitphase.set_amx_min_rows(skinny.AMX_MIN_ROWS)
+        assert not all(torch.equal(a, f) for a, f in zip(plain, full, strict=True))
 
 
 @needs_kernel

@@ -22,6 +22,16 @@ from splitphase.kernels.switch import Switch, switch_functions
 # 4, 1.2x at 8, 0.72x at 16: oneDNN's AMX GEMM costs about the same from 1 to 16 rows).
 MAX_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 
+# bf16 batches of AMX_MIN_ROWS to AMX_MAX_ROWS rows multiply on AMX tiles where the library has
+# them (`amx_tiles.h`), and the kernel keeps bf16 up to AMX_MAX_ROWS. On the Intel AMX host, a
+# base-125m bf16 decode step at context 512 (`bench/decode_ab.py --blocks --variants fused
+# no_amx_tiles onednn_past_8 --dtypes bfloat16`, and a script alternating the same way): on
+# the tiles 1.04-1.10x VDPBF16PS's time at 5 and 6 rows, 0.97-1.0x at 7, 0.87-0.93x at 8; 0.66x
+# at 16; oneDNN's AMX GEMM (the path past 8 rows before) 1.20-1.21x the tiles' time at 10-12
+# rows, 1.15-1.20x at 16.
+AMX_MIN_ROWS = 7
+AMX_MAX_ROWS = 16
+
 
 _SWITCH = Switch()
 
@@ -37,15 +47,35 @@ set_enabled, switched, is_enabled = switch_functions(
 _helper_rows_sent: int | None = None  # the native pool's helper limit, as last set
 
 
+_amx_kernel: bool | None = None
+
+
+def amx_kernel() -> bool:
+    """Whether the loaded library multiplies bf16 on AMX tiles (built for and permitted on
+    this CPU); the first call also sets the rows from which it does."""
+    global _amx_kernel
+    if _amx_kernel is None:
+        _amx_kernel = build.available() and bool(
+            torch.ops.splitphase.set_amx_min_rows(AMX_MIN_ROWS))
+    return _amx_kernel
+
+
+def own_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the kernel beats torch's linear in `dtype` on this CPU."""
+    if dtype == torch.bfloat16 and amx_kernel():
+        return AMX_MAX_ROWS
+    return MAX_ROWS.get(dtype, 0)
+
+
 def _kernel_rows(dtype: torch.dtype) -> int:
-    rows = MAX_ROWS.get(dtype, 0)
+    rows = own_rows(dtype)
     if packed_linear.is_enabled() and packed_linear.backend_for(dtype) == "onednn":
         rows = min(rows, packed_linear.min_rows(dtype) - 1)
     return rows
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the kernel serves a linear in `dtype`: MAX_ROWS, or fewer where
+    """Rows up to which the kernel serves a linear in `dtype`: `own_rows`, or fewer where
     oneDNN's packed GEMM takes over earlier (`packed_linear.min_rows`).
 
     The native kernels' helper threads serve calls up to these rows; past them a decode step
@@ -65,9 +95,9 @@ def _use_kernel(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
     if not is_enabled():  # first: a compiled graph that runs torch's path must not guard on rows
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    # MAX_ROWS, not max_rows: a call past max_rows gets here only where no packed GEMM took
-    # it (a weight the packing budget refused), and up to MAX_ROWS the kernel beats torch's.
-    if not (0 < rows <= MAX_ROWS.get(x.dtype, 0) and x.device.type == "cpu"):
+    # own_rows, not max_rows: a call past max_rows gets here only where no packed GEMM took
+    # it (a weight the packing budget refused), and up to own_rows the kernel beats torch's.
+    if not (0 < rows <= own_rows(x.dtype) and x.device.type == "cpu"):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False

@@ -12,6 +12,7 @@
 #include <functional>
 #include <type_traits>
 
+#include "amx_tiles.h"
 #include "ops.h"
 #include "pool.h"
 #include <c10/util/BFloat16.h>
@@ -345,6 +346,11 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
     wp[j] = ws[j].data_ptr<T>();
     yp[j] = ys[j].data_ptr<T>();
   }
+#if SPLITPHASE_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (splitphase_amx::linear(x, nb, k, start, wp, yp, team_rows, 1)) return;
+  }
+#endif
   // One parallel range over the rows of all weights: each thread streams its share.
   splitphase_pool::parallel_chunks(start.back(), kGrainRows, team_rows, [&](int64_t begin, int64_t end) {
     if (nb == 1) {
@@ -390,11 +396,24 @@ static void set_helper_max_rows(int64_t rows) {
   splitphase_pool::helper_max_rows().store(rows, std::memory_order_relaxed);
 }
 
+// bf16 calls of at least `rows` rows (up to 16) take AMX tiles where built and permitted
+// (0: never); returns whether this build and process have them.
+static bool set_amx_min_rows(int64_t rows) {
+#if SPLITPHASE_AMX
+  splitphase_amx::min_rows().store(rows, std::memory_order_relaxed);
+  return splitphase_amx::permitted();
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
 }  // namespace splitphase_ops
 
 TORCH_LIBRARY(splitphase, m) {
   m.def("skinny_linear(Tensor x, Tensor[] ws, int pass_rows=0) -> Tensor[]");
   m.def("set_helper_max_rows(int rows) -> ()");
+  m.def("set_amx_min_rows(int rows) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
@@ -403,4 +422,5 @@ TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
 
 TORCH_LIBRARY_IMPL(splitphase, CatchAll, m) {
   m.impl("set_helper_max_rows", &splitphase_ops::set_helper_max_rows);
+  m.impl("set_amx_min_rows", &splitphase_ops::set_amx_min_rows);
 }
