@@ -89,10 +89,10 @@ inline void store_rows(const float (&c)[kTileRows][kTileRows], int nb, int64_t n
     for (int m = 0; m < nb; ++m) y[m * width + n0 + r] = static_cast<c10::BFloat16>(c[r][m]);
 }
 
-// Weight rows [lo, lo + 32 * blocks) of w (rows of k values) against packed x: two blocks of
-// 16 rows share each B tile. Returns the first row left (fewer than 32) for the caller's path.
-inline int64_t rows(const c10::BFloat16* w, const c10::BFloat16* xp, int64_t k, int nb,
-                    int64_t lo, int64_t hi, int64_t width, c10::BFloat16* y) {
+// Weight rows [lo, hi) of w (rows of k values; whole blocks of 32) against packed x: two
+// blocks of 16 rows share each B tile.
+inline void rows(const c10::BFloat16* w, const c10::BFloat16* xp, int64_t k, int nb,
+                 int64_t lo, int64_t hi, int64_t width, c10::BFloat16* y) {
   const int64_t stride = k * 2;  // bytes between weight rows
   const int64_t b_stride = nb * 4;
   alignas(64) float c[2][kTileRows][kTileRows];
@@ -114,7 +114,6 @@ inline int64_t rows(const c10::BFloat16* w, const c10::BFloat16* xp, int64_t k, 
     store_rows(c[0], nb, lo, width, y);
     store_rows(c[1], nb, lo + kTileRows, width, y);
   }
-  return lo;
 }
 
 // [x @ w.T for each w] into y, in blocks of 32 weight rows over all the weights, `per_thread`
