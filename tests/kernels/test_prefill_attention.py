@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import build, packed_linear, prefill_attention
+from splitphase.kernels import amx, build, prefill_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
@@ -157,7 +157,7 @@ def test_bf16_goes_to_sdpa_when_switched_off_and_fp32_stays() -> None:
 
 
 def test_bf16_takes_the_kernel_unless_the_cpu_has_amx_tiles() -> None:
-    assert prefill_attention.takes_bf16() == (not packed_linear.AMX_TILES)
+    assert prefill_attention.takes_bf16() == (not amx.AMX_TILES)
 
 
 def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import build, packed_linear, skinny
+from splitphase.kernels import amx, build, packed_linear, skinny
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
@@ -107,29 +107,20 @@ def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
 
 
 @pytest.mark.skipif("onednn" not in packed_linear.backends(), reason="needs oneDNN's GEMM")
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("has_amx", [False, True])
 def test_bf16_stays_on_the_kernel_to_its_own_rows_where_onednn_has_amx(
-    amx: bool, monkeypatch: pytest.MonkeyPatch
+    has_amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(packed_linear, "AMX_TILES", amx)
+    monkeypatch.setattr(amx, "AMX_TILES", has_amx)
     bf16, fp32 = torch.bfloat16, torch.float32
     with packed_linear.using_backend("onednn"):
-        want = packed_linear.AMX_BF16_MIN_ROWS if amx else packed_linear.ONEDNN_MIN_ROWS
+        want = packed_linear.AMX_BF16_MIN_ROWS if has_amx else packed_linear.ONEDNN_MIN_ROWS
         assert packed_linear.min_rows(bf16) == want
         assert packed_linear.min_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS  # fp32: no AMX
         assert skinny.max_rows(bf16) == min(want - 1, skinny.own_rows(bf16))
         x, w = torch.randn(want - 1, 32).bfloat16(), torch.randn(16, 32).bfloat16()
         assert not packed_linear.usable(x, w)
         assert packed_linear.usable(torch.randn(want, 32).bfloat16(), w)
-
-
-def test_amx_probe_reads_torch_and_is_false_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert packed_linear.cpu_has_amx_tiles()
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert not packed_linear.cpu_has_amx_tiles()
-    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert not packed_linear.cpu_has_amx_tiles()
 
 
 @pytest.mark.skipif(not skinny.amx_kernel(), reason="the kernel has no AMX tiles here")

@@ -30,11 +30,11 @@ it gets on the Intel hosts it was measured on, where oneDNN's (`mkldnn._reorder_
 uses AVX-512 (`bench/packed_gemm.py`: 2 threads, base-125m's shapes at 64-2048 rows, oneDNN
 358-506 GFLOP/s against MKL's 138-220; its packed copy is also the weight's size, not ~2.2x).
 `SPLITPHASE_PACKED_GEMM` says which: `auto` (the default) times one GEMM each way on first use
-and takes oneDNN only when it is clearly faster (`PROBE_MARGIN`); `mkl` or `onednn` forces
-one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for bit (a different
-microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has no bf16): on the
-AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every shape, the
-results bit-identical.
+(`PROBE_ROUNDS` turns) and takes oneDNN only when it is clearly faster (`PROBE_MARGIN`); `mkl`
+or `onednn` forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for
+bit (a different microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has
+no bf16): on the AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every
+shape, the results bit-identical.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from splitphase.errors import UserError
 from splitphase.hardware.memory import available_host_memory_bytes
+from splitphase.kernels import amx
 from splitphase.kernels.switch import Switch, switch_functions
 
 # Below this many rows a linear is decode-shaped: the skinny kernel (or plain torch) serves it
@@ -75,15 +76,6 @@ ONEDNN_MIN_ROWS = 5
 # kernel took 0.747x the hand-over's time at 5 rows, 0.805x at 6, 0.958x at 8.
 AMX_BF16_MIN_ROWS = 17
 
-
-def cpu_has_amx_tiles() -> bool:
-    """True where oneDNN (torch's bf16 GEMMs and CPU flash attention) can multiply bf16 on
-    AMX tiles."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
-
-
-AMX_TILES = cpu_has_amx_tiles()
 
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
 # copy out for the rows it is told, and a copy serves other row counts at that layout's speed:
@@ -252,7 +244,7 @@ def min_rows(dtype: torch.dtype) -> int:
     """Rows from which a linear in `dtype` takes the packed GEMM (when one is usable)."""
     if backend_for(dtype) != "onednn":
         return MIN_ROWS
-    if dtype == torch.bfloat16 and AMX_TILES:
+    if dtype == torch.bfloat16 and amx.AMX_TILES:
         return max(ONEDNN_MIN_ROWS, AMX_BF16_MIN_ROWS)
     return ONEDNN_MIN_ROWS
 

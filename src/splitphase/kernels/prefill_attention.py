@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from splitphase.kernels import packed_linear, skinny
+from splitphase.kernels import amx, skinny
 from splitphase.kernels.switch import Switch, switch_functions
 
 _SWITCH = Switch()
@@ -43,7 +43,7 @@ set_enabled, switched, is_enabled = switch_functions(
 # cached (fp32: 0.82x at 64 tokens, 1.4-2.0x from 128): a 512-token bf16 prefill 0.95x, 2048
 # tokens 0.64x. Without AMX the kernel is the faster path (the AMD host, session 21: a bf16
 # prefill of 512 tokens 146.1 ms on it, 197.5 on SDPA).
-_BF16 = Switch(on=not packed_linear.AMX_TILES)
+_BF16 = Switch(on=not amx.AMX_TILES)
 
 
 def bf16_switched(on: bool) -> contextlib.AbstractContextManager[None]:
