@@ -218,6 +218,33 @@ def test_model_decode_matches_reference_path(dtype: str) -> None:
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not skinny.amx_kernel(), reason="the kernel has no AMX tiles here")
+def test_model_decode_of_a_tile_sized_batch_matches_the_reference_path() -> None:
+    torch.manual_seed(0)
+    # Wide enough that the tiles' sums, rounded to bf16, differ somewhere from VDPBF16PS's.
+    cfg = ModelConfig.from_name("tiny").with_(dtype="bfloat16", d_model=256, d_ff=512,
+                                              head_dim=64)
+    model = Transformer(cfg).eval()
+    ids = torch.randint(3, model.cfg.vocab_size, (skinny.AMX_MIN_ROWS + 3, 20))
+
+    def steps() -> list[torch.Tensor]:
+        _, cache = model.prefill(ids)
+        return [model.decode_step(ids[:, i], cache) for i in range(3)]
+
+    with torch.inference_mode():
+        tiles = steps()
+        try:
+            torch.ops.splitphase.set_amx_min_rows(0)
+            plain = steps()
+        finally:
+            torch.ops.splitphase.set_amx_min_rows(skinny.AMX_MIN_ROWS)
+        with skinny.switched(False):
+            ref = steps()
+    assert not all(torch.equal(a, b) for a, b in zip(tiles, plain, strict=True))  # tiles ran
+    for a, b in zip(tiles, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
 @needs_kernel
 def test_a_forked_child_runs_the_kernel_with_its_own_helpers() -> None:
     import os
