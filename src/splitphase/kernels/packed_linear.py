@@ -70,11 +70,11 @@ MIN_ROWS = 32
 ONEDNN_MIN_ROWS = 5
 
 # bf16 on a CPU with AMX tiles: oneDNN multiplies on them at about one cost from 1 to 16 rows,
-# and the skinny kernel keeps bf16 up to its own rows (`skinny.own_rows`: 16 on its AMX tiles,
+# and the skinny kernel keeps bf16 up to its own rows (`skinny.own_rows`: 32 on its AMX tiles,
 # else 8). On the Intel AMX host (`bench/decode_ab.py --blocks --batch 4 5 6 8 --variants fused
 # kernel_max --dtypes bfloat16`, context 512, before the kernel had tiles) a step with the
 # kernel took 0.747x the hand-over's time at 5 rows, 0.805x at 6, 0.958x at 8.
-AMX_BF16_MIN_ROWS = 17
+AMX_BF16_MIN_ROWS = 33
 
 
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed

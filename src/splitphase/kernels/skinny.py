@@ -27,10 +27,10 @@ MAX_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 # base-125m bf16 decode step at context 512 (`bench/decode_ab.py --blocks --variants fused
 # no_amx_tiles onednn_past_8 --dtypes bfloat16`, and a script alternating the same way): on
 # the tiles 1.04-1.10x VDPBF16PS's time at 5 and 6 rows, 0.97-1.0x at 7, 0.87-0.93x at 8; 0.66x
-# at 16; oneDNN's AMX GEMM (the path past 8 rows before) 1.20-1.21x the tiles' time at 10-12
-# rows, 1.15-1.20x at 16.
+# at 16, 0.58x at 32; oneDNN's AMX GEMM (the path past 8 rows before) 1.20-1.21x the tiles'
+# time at 10-12 rows, 1.15-1.20x at 16, 1.09-1.10x at 20-32.
 AMX_MIN_ROWS = 7
-AMX_MAX_ROWS = 16
+AMX_MAX_ROWS = 32
 
 
 _SWITCH = Switch()
