@@ -63,14 +63,17 @@ inline void pack_x(const c10::BFloat16* x, int nb, int64_t k, c10::BFloat16* xp)
       }
 }
 
-// The x rows split over B tiles: the first 16 (group 0), then the rest (group 1), each packed
-// by pack_x one after the other.
+// The x rows split over B tiles: the first 16 (group 0), then the rest (group 1), packed into
+// xp (nb * k values) one group after the other.
 struct XGroups {
   int rows[2];
   const c10::BFloat16* packed[2];
-  XGroups(const c10::BFloat16* xp, int nb, int64_t k)
+  XGroups(const c10::BFloat16* x, int nb, int64_t k, c10::BFloat16* xp)
       : rows{std::min(nb, kTileRows), std::max(nb - kTileRows, 0)},
-        packed{xp, xp + k * std::min(nb, kTileRows)} {}
+        packed{xp, xp + rows[0] * k} {
+    pack_x(x, rows[0], k, xp);
+    if (rows[1]) pack_x(x + rows[0] * k, rows[1], k, xp + rows[0] * k);
+  }
 };
 
 struct alignas(64) TileConfig {
@@ -171,10 +174,7 @@ inline bool linear(const c10::BFloat16* x, int nb, int64_t k, const std::vector<
   for (size_t j = 0; j + 1 < start.size(); ++j)
     if ((start[j + 1] - start[j]) % kBlock) return false;
   std::vector<c10::BFloat16> xp(nb * k);
-  const int first = std::min(nb, kTileRows);
-  pack_x(x, first, k, xp.data());
-  if (nb > first) pack_x(x + first * k, nb - first, k, xp.data() + first * k);
-  const XGroups g(xp.data(), nb, k);
+  const XGroups g(x, nb, k, xp.data());
   splitphase_pool::parallel_chunks(start.back() / kBlock, 1, team_rows, [&](int64_t begin, int64_t end) {
     for (size_t j = 0; j + 1 < start.size(); ++j) {
       int64_t lo = std::max(begin * kBlock, start[j]), hi = std::min(end * kBlock, start[j + 1]);
