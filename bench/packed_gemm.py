@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import packed_linear
+from splitphase.kernels import packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.perf.peaks import model_matmul_shapes
 from splitphase.perf.timing import best_s
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     cfg = ModelConfig.from_name(args.preset)
-    names = [n for n in packed_linear.backends() if dtype in packed_linear.GEMMS[n].dtypes]
+    names = [n for n in packed_linear.backends() if dtype in packed_gemms.GEMMS[n].dtypes]
     print(f"{args.preset} {args.dtype}, {torch.get_num_threads()} threads, GFLOP/s; "
           f"the probe picks {packed_linear.backend_for(dtype)}")
     print(" rows  weight        torch  " + "  ".join(f"{n:>7s}" for n in names))

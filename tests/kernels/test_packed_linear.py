@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import packed_linear
+from splitphase.kernels import packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Linear
 from splitphase.model.transformer import Transformer
@@ -27,7 +27,7 @@ needs_mkl = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=list(packed_linear.GEMMS))
+@pytest.fixture(params=list(packed_gemms.GEMMS))
 def gemm(request: pytest.FixtureRequest) -> Iterator[str]:
     """The test runs once on each packed GEMM this torch has."""
     if request.param not in packed_linear.backends():
@@ -173,7 +173,7 @@ def test_packs_for_pack_rows_whatever_the_first_call(first_rows: int, monkeypatc
     with torch.no_grad(), packed_linear.using_backend("mkl"):
         got = packed_linear.linear(torch.randn(first_rows, 64), w, packed_linear.PackedWeight())
     assert got is not None
-    assert asked == [packed_linear.PACK_ROWS]
+    assert asked == [packed_gemms.PACK_ROWS]
 
 
 @pytest.mark.skipif(len(packed_linear.backends()) < 2, reason="needs both packed GEMMs")

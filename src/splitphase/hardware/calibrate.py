@@ -94,11 +94,11 @@ def _packed_products(x: Any, w: Any) -> list[Callable[[], object]]:
     oneDNN's), as the model's prefill linears run: on a host where MKL takes its AVX2 path
     (AMD Zen 5) oneDNN's ran 2.3x torch's matmul, and a peak under the prefill's own rate
     made the audit report prefill above 100% of it."""
-    from splitphase.kernels import packed_linear
+    from splitphase.kernels import packed_gemms, packed_linear
 
     products: list[Callable[[], object]] = []
     for name in packed_linear.backends():
-        gemm = packed_linear.GEMMS[name]
+        gemm = packed_gemms.GEMMS[name]
         if x.dtype in gemm.dtypes:
             products.append(functools.partial(gemm.run, x, gemm.pack(w), w, x.shape[0]))
     return products

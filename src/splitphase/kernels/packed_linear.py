@@ -43,15 +43,15 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
 from splitphase.errors import UserError
 from splitphase.hardware.memory import available_host_memory_bytes
 from splitphase.kernels import amx
+from splitphase.kernels.packed_gemms import GEMMS, HAVE
 from splitphase.kernels.switch import Switch, switch_functions
 
 # Below this many rows a linear is decode-shaped: the skinny kernel (or plain torch) serves it
@@ -76,15 +76,6 @@ ONEDNN_MIN_ROWS = 5
 # kernel took 0.747x the hand-over's time at 5 rows, 0.805x at 6, 0.958x at 8.
 AMX_BF16_MIN_ROWS = 33
 
-
-# The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
-# copy out for the rows it is told, and a copy serves other row counts at that layout's speed:
-# on the 2-core machine (base-125m's four shapes, 2 threads) packed for 32 rows, 512-row GEMMs
-# ran 10-15% slower than packed for 512, and packed for 2048, 64- and 512-row GEMMs at half
-# speed on three of the four shapes, where packed for 512 was within 5% of the best at 64 to
-# 2048 rows (one thread: the same, 32 10-25% slower). Packing for the first call's rows made
-# the engine's start-up warm-up (32 tokens) slow every later prefill.
-PACK_ROWS = 512
 
 # The share of available memory packed copies may take under `auto`: a few percent leaves the
 # KV cache (a quarter of free memory by default) and the OS theirs.
@@ -123,45 +114,6 @@ class _Budget:
 _BUDGET = _Budget(limited=_MODE == "auto")
 
 
-class _Gemm(NamedTuple):
-    """One packed GEMM: how it packs a weight and multiplies by the packed copy."""
-
-    has: Callable[[], bool]
-    pack: Callable[[torch.Tensor], torch.Tensor]
-    # (x, packed, plain weight or None, rows) -> x @ w.T
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-    needs_plain: bool  # the op takes the plain weight too, so a stack of several is kept
-    dtypes: tuple[torch.dtype, ...]
-
-
-def _mkl_run(x: torch.Tensor, packed: torch.Tensor, plain: Any, rows: int) -> torch.Tensor:
-    # prepack_batch_size = rows: _mkl_linear takes the packed path only when they are equal.
-    return torch.ops.mkl._mkl_linear(x, packed, plain, None, rows)
-
-
-def _onednn_run(x: torch.Tensor, packed: torch.Tensor, plain: Any, rows: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-GEMMS: dict[str, _Gemm] = {
-    "mkl": _Gemm(
-        has=lambda: torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"),
-        pack=lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS),
-        run=_mkl_run,
-        needs_plain=True,
-        dtypes=(torch.float32,),
-    ),
-    "onednn": _Gemm(
-        has=lambda: torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise"),
-        # No row count: oneDNN's layout for 512 rows ran within noise of this one at 64-2048.
-        pack=lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
-        run=_onednn_run,
-        needs_plain=False,
-        dtypes=(torch.float32, torch.bfloat16),
-    ),
-}
-
 # Under `auto`, oneDNN only when its probe GEMM takes under this share of MKL's time: where
 # the two are close (Intel), MKL's stays, as measured there over many runs. At 0.9, with one
 # timing each, a slow spell in MKL's turn picked oneDNN on the Intel host in one process of
@@ -177,14 +129,13 @@ if _GEMM_ENV not in ("auto", *GEMMS):
 _chosen: str | None = None if _GEMM_ENV == "auto" else _GEMM_ENV
 
 # Fixed for the process; `usable` asks on every prefill-shaped linear.
-_HAVE = tuple(name for name, gemm in GEMMS.items() if gemm.has())
-if _chosen is not None and _chosen not in _HAVE:
+if _chosen is not None and _chosen not in HAVE:
     raise UserError(f"SPLITPHASE_PACKED_GEMM={_chosen}: this torch has no such packed GEMM")
 
 
 def backends() -> list[str]:
     """The packed GEMMs this torch has, by name ("mkl", "onednn")."""
-    return list(_HAVE)
+    return list(HAVE)
 
 
 def _probe_s(name: str) -> float:
@@ -237,7 +188,7 @@ def backend_for(dtype: torch.dtype) -> str | None:
     only one with bf16, whatever fp32 took); None where this torch has none for it."""
     if dtype == torch.float32:
         return backend()
-    return next((n for n in _HAVE if dtype in GEMMS[n].dtypes), None)
+    return next((n for n in HAVE if dtype in GEMMS[n].dtypes), None)
 
 
 def min_rows(dtype: torch.dtype) -> int:
@@ -252,7 +203,7 @@ def min_rows(dtype: torch.dtype) -> int:
 def set_backend(name: str | None) -> None:
     """Use `name` for packing from now on (None: probe again at the next use)."""
     global _chosen
-    if name is not None and name not in _HAVE:
+    if name is not None and name not in HAVE:
         raise UserError(f"this torch has no {name} packed GEMM")
     _chosen = name
 
@@ -277,7 +228,7 @@ def mode() -> str:
 
 def available() -> bool:
     """True when this torch has a packed GEMM (whether or not it is switched on)."""
-    return bool(_HAVE)
+    return bool(HAVE)
 
 
 set_enabled, switched, is_enabled = switch_functions(
@@ -286,30 +237,6 @@ set_enabled, switched, is_enabled = switch_functions(
     switched_doc="Packed prefill linears on (or off) inside the block, as they were after it.",
     enabled_doc="True when packed prefill linears are on and this torch has a packed GEMM.",
 )
-
-
-def _linear_flops(x_shape: Sequence[int], out_features: int) -> int:
-    """2 * rows * in * out, as torch's FLOP counter counts `F.linear` (it knows neither op)."""
-    return 2 * math.prod(x_shape[:-1]) * int(x_shape[-1]) * out_features
-
-
-def _mkl_linear_flops(
-    x_shape: Sequence[int], packed_shape: Any, w_shape: Sequence[int], *args: Any, **kwargs: Any
-) -> int:
-    return _linear_flops(x_shape, int(w_shape[0]))
-
-
-def _onednn_linear_flops(
-    x_shape: Sequence[int], packed_shape: Sequence[int], *args: Any, **kwargs: Any
-) -> int:
-    return _linear_flops(x_shape, int(packed_shape[0]))  # the packed copy keeps (out, in)
-
-
-# FlopCounterMode (the audit's check of the FLOP model) sees the GEMMs.
-if "mkl" in _HAVE:
-    register_flop_formula(torch.ops.mkl._mkl_linear)(_mkl_linear_flops)
-if "onednn" in _HAVE:
-    register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_onednn_linear_flops)
 
 
 class PackedWeight:

@@ -14,7 +14,7 @@ from splitphase.hardware.calibrate import (
     measure_triad_bandwidth_bytes_per_s,
 )
 from splitphase.hardware.specs import HARDWARE
-from splitphase.kernels import packed_linear
+from splitphase.kernels import packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.perf.timing import best_s
 
@@ -53,7 +53,7 @@ def matmul_peak_flops_per_s(
         w = torch.randn(out_f, in_f, generator=g).to(device, dtype)
         seconds = best_s(partial(F.linear, x, w), repeats)
         for name in packed_linear.backends():
-            if dtype not in packed_linear.GEMMS[name].dtypes:
+            if dtype not in packed_gemms.GEMMS[name].dtypes:
                 continue
             with packed_linear.switched(True), packed_linear.using_backend(name):
                 if packed_linear.usable(x, w):
