@@ -103,7 +103,9 @@ def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
     with packed_linear.using_backend("mkl"):
         assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
         assert packed_linear.min_rows(fp32) == packed_linear.MIN_ROWS
-        assert packed_linear.min_rows(bf16) != packed_linear.MIN_ROWS  # bf16: oneDNN's
+        bf16_from = (packed_linear.AMX_BF16_MIN_ROWS if amx.AMX_TILES
+                     else packed_linear.ONEDNN_MIN_ROWS)
+        assert packed_linear.min_rows(bf16) == bf16_from  # bf16: oneDNN's
 
 
 @pytest.mark.skipif("onednn" not in packed_linear.backends(), reason="needs oneDNN's GEMM")
@@ -111,6 +113,8 @@ def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
 def test_bf16_stays_on_the_kernel_to_its_own_rows_where_onednn_has_amx(
     has_amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The two modules' bounds meet: oneDNN takes bf16 where the kernel's tiles stop.
+    assert packed_linear.AMX_BF16_MIN_ROWS == skinny.AMX_MAX_ROWS + 1
     monkeypatch.setattr(amx, "AMX_TILES", has_amx)
     bf16, fp32 = torch.bfloat16, torch.float32
     with packed_linear.using_backend("onednn"):

@@ -60,6 +60,7 @@ GEMMS: dict[str, Gemm] = {
     ),
 }
 
+# Fixed for the process; `packed_linear.usable` asks on every prefill-shaped linear.
 HAVE = tuple(name for name, gemm in GEMMS.items() if gemm.has())
 
 

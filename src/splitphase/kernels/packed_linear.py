@@ -128,7 +128,6 @@ if _GEMM_ENV not in ("auto", *GEMMS):
     raise UserError(f"SPLITPHASE_PACKED_GEMM must be auto, mkl or onednn, got {_GEMM_ENV!r}")
 _chosen: str | None = None if _GEMM_ENV == "auto" else _GEMM_ENV
 
-# Fixed for the process; `usable` asks on every prefill-shaped linear.
 if _chosen is not None and _chosen not in HAVE:
     raise UserError(f"SPLITPHASE_PACKED_GEMM={_chosen}: this torch has no such packed GEMM")
 

@@ -397,7 +397,7 @@ static void set_helper_max_rows(int64_t rows) {
   splitphase_pool::helper_max_rows().store(rows, std::memory_order_relaxed);
 }
 
-// bf16 calls of at least `rows` rows (up to 16) take AMX tiles where built and permitted
+// bf16 calls of at least `rows` rows (up to 32) take AMX tiles where built and permitted
 // (0: never); returns whether this build and process have them.
 static bool set_amx_min_rows(int64_t rows) {
 #if SPLITPHASE_AMX
