@@ -142,3 +142,26 @@ def test_generate_all_stopping_early_aborts_every_prompt(async_engine):
         return -1
 
     assert asyncio.run(main()) == 0
+
+
+def test_caller_cancelled_while_its_add_waits_aborts_it(async_engine):
+    """A client that disconnects before the engine thread took its add: the add still runs,
+    and its abort must follow it (the request ran to max_tokens for nobody)."""
+    busy, release = threading.Event(), threading.Event()
+    hold: concurrent.futures.Future[None] = concurrent.futures.Future()
+    async_engine._put_command(lambda: (busy.set(), release.wait(5)), hold)
+    assert busy.wait(5)  # the engine thread is inside a command: the add below must queue
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        task = asyncio.create_task(anext(async_engine.generate([0, 5, 6], params, "gone")))
+        await asyncio.sleep(0.05)  # the task now awaits its add
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        # Commands run in order: the add, its abort, then this one.
+        await async_engine.call(lambda: None)
+        return async_engine.engine.has_unfinished_requests()
+
+    assert asyncio.run(main()) is False

@@ -69,12 +69,18 @@ def test_disconnect_frees_blocks_within_one_step(serve_inproc: Serve,
     elif stage == "mid-prefill":  # the first (0.3 s) forward is running: no byte was sent
         wait_for(lambda: steps.count, lambda n: n >= 1, 10)
     sock.close()
-    closed_at = steps.count
+    closed_at, closed_s = steps.count, time.monotonic()
     # The abort runs on the engine thread before its next step: at most the step already
     # running when the disconnect was seen (and, at worst, one that began meanwhile) ends.
-    used, waited_s = wait_for(lambda: sched.block_manager.num_used_blocks, lambda n: n == 0, 10,
-                              0.002)
-    assert used == 0
+    # Blocks at 0 alone proves nothing before the request was admitted: the server must also
+    # have seen the disconnect (it counts the request aborted then).
+    wait_for(lambda: (scrape(url).get("request_success_total|abort", 0),
+                      sched.block_manager.num_used_blocks),
+             lambda seen: seen == (1, 0), 10, 0.005)
+    waited_s = time.monotonic() - closed_s
+    time.sleep(3 * steps.step_s + 0.1)  # a request left running would take steps meanwhile
+    assert sched.block_manager.num_used_blocks == 0
+    assert not llm.engine.has_unfinished_requests()  # type: ignore[union-attr]
     steps_after = steps.count - closed_at
     assert steps_after <= 2, steps_after
     metrics, _ = wait_at_rest(url, 5)

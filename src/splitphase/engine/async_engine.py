@@ -171,7 +171,15 @@ class AsyncEngine:
             for rid in rids:
                 self._streams[rid] = stream
 
-        await self._call(add)
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            # The caller left (its client disconnected) while the add waited for the engine
+            # thread: the add still runs there, so its abort is queued behind it. Without this
+            # the request ran to max_tokens for nobody.
+            for parent in request_ids:
+                self.abort(parent)
+            raise
         pending = set(rids)
         try:
             while pending:
