@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = [
@@ -85,3 +86,26 @@ def test_quick_run_with_compile_adds_its_rows(tmp_path: Path) -> None:
         assert ratios[f"compile_speedup_{key}"] > 0
         assert ours[f"{key}_compiled"]["flops" if key.startswith("prefill") else "bytes_per_step"]
     assert "torch.compile: decode b1" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quick_run_on_cuda_measures_bf16_against_measured_and_datasheet_peaks(
+        tmp_path: Path) -> None:
+    out = tmp_path / "phase_limits.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "phase_limits.py"), "--quick", "--device", "cuda",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    for key in REQUIRED:
+        assert key in data, key
+    assert data["device"] == "cuda" and data["primary_dtype"] == "bfloat16"
+    peaks = data["peaks"]
+    assert peaks["triad_bytes_per_s"] > 0 and peaks["matmul_model_shapes_flops_per_s_bfloat16"] > 0
+    if any(n in torch.cuda.get_device_name().replace(" ", "").lower() for n in ("h100", "h200")):
+        assert peaks["datasheet_bandwidth_bytes_per_s"] > 0
+    ours = data["dtypes"]["bfloat16"]["ours"]
+    assert ours["decode_b1"]["bw_fraction"] > 0 and ours["prefill_64"]["flops_fraction"] > 0
+    assert data["speedup_vs_transformers_decode_b1"] > 0  # transformers on the same GPU
+    assert data["speedup_vs_llamacpp_decode_b1"] is None  # llama.cpp is timed on CPU only

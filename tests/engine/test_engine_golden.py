@@ -265,3 +265,19 @@ def test_prompt_logprobs_complete_even_when_the_prefix_is_cached(tiny_model, tok
     a, b = firsts
     assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(PROMPTS[2]) - 1
     assert a.prompt_logprobs == b.prompt_logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["mixed", "chunked"])
+@pytest.mark.parametrize("num_blocks", [200, 6])
+def test_engine_on_cuda_matches_reference(tiny_model, tokenizer, reference, policy, num_blocks):
+    """The paged cache, its slot writes and the batched steps on the GPU: the CPU's tokens."""
+    model = copy.deepcopy(tiny_model).to("cuda")
+    cfg = EngineConfig(policy=policy, num_blocks=num_blocks, max_num_batched_tokens=64,
+                       max_num_seqs=8)
+    engine = LLMEngine(model, tokenizer, cfg)
+    assert engine.runner.cache.k.device.type == "cuda"
+    outs = _run(engine, PROMPTS)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.block_manager.num_used_blocks == 0

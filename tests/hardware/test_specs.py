@@ -72,6 +72,15 @@ def test_lookup_is_forgiving_about_case_and_aliases() -> None:
     assert get_hardware("a100") is HARDWARE["a100-80gb"]
 
 
+@pytest.mark.parametrize(("reported", "table"), [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA L40S", "l40s"),
+    ("NVIDIA L4", "l4"), ("AMD Instinct MI300X", "mi300x"), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_a_gpu_is_found_by_the_name_its_driver_reports(reported: str, table: str | None) -> None:
+    assert specs.hardware_for_gpu(reported) == table
+
+
 def test_unknown_name_lists_valid_names() -> None:
     with pytest.raises(HardwareError) as info:
         get_hardware("tpu-v9")

@@ -406,3 +406,22 @@ def test_aux_self_kv_needs_a_context_that_serves_it() -> None:
     assert aux_attend(ctx, 0, attn, q, None).shape == (1, 1, 64)
     with pytest.raises(TypeError, match="attend_cached_self_kv"):
         aux_attend(ctx, 0, attn, q, (kv, kv))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("preset", "changes"), VARIANTS)
+def test_cuda_prefill_and_grouped_decode_match_cpu(preset: str, changes: dict[str, Any]) -> None:
+    model = dual(preset, **changes)
+    gpu = dual(preset, **changes).to("cuda")
+    ids = ids_for(model, 2, 9)
+    out, cache = model.prefill_flows(ids[:, :4])
+    got, gpu_cache = gpu.prefill_flows(ids[:, :4].cuda())
+    steps = [(out, got)]
+    for t in range(4, 9):
+        steps.append((model.decode_flows(ids[:, t], cache),
+                      gpu.decode_flows(ids[:, t].cuda(), gpu_cache)))
+    for ref, on_gpu in steps:
+        for a, b in zip(on_gpu, ref, strict=True):
+            close(a.cpu(), b, 1e-4)
+    close(gpu_cache.k.cpu(), cache.k, 1e-4)

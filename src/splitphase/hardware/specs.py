@@ -183,6 +183,19 @@ HARDWARE: MappingProxyType[str, HardwareSpec] = MappingProxyType({s.name: s for 
 _ALIASES = MappingProxyType({"h100": "h100-sxm", "a100": "a100-80gb", "b200-sxm": "b200"})
 
 
+# Substrings of the name a GPU's driver reports (torch.cuda.get_device_name) -> table name;
+# the first match wins, so the more specific needles come first.
+_GPU_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+              ("a100", "a100-80gb"), ("l40s", "l40s"), ("l4", "l4"), ("b200", "b200"),
+              ("mi300x", "mi300x"))
+
+
+def hardware_for_gpu(device_name: str) -> str | None:
+    """The table's name for a GPU by the name its driver reports, or None if unknown."""
+    name = device_name.lower()
+    return next((table for needle, table in _GPU_NAMES if needle in name), None)
+
+
 def list_hardware() -> list[str]:
     """Valid names for `get_hardware`, including the measured `cpu`."""
     return [*HARDWARE, "cpu"]

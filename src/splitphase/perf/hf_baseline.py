@@ -17,7 +17,8 @@ from splitphase.perf.timing import best_s
 
 
 def hf_llama(model: Transformer) -> Any | None:
-    """A `LlamaForCausalLM` holding `model`'s weights in its dtype, or None without transformers."""
+    """A `LlamaForCausalLM` holding `model`'s weights in its dtype and on its device, or None
+    without transformers."""
     try:
         import transformers
     except ImportError:
@@ -38,7 +39,7 @@ def hf_llama(model: Transformer) -> Any | None:
         pad_token_id=0,
     )
     hf: Any = transformers.LlamaForCausalLM(hf_cfg)
-    hf = hf.to(model.dtype).eval()
+    hf = hf.to(device=model.device, dtype=model.dtype).eval()
     state = model.state_dict()
     body = {k: v for k, v in state.items() if k != "lm_head.weight"}
     hf.model.load_state_dict(body, strict=False)
@@ -54,6 +55,8 @@ class _Stamps:
         self.times: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.is_cuda:  # the step's kernels may still run: stamp when its logits exist
+            torch.cuda.synchronize(scores.device)
         self.times.append(time.perf_counter())
         return scores
 
@@ -77,11 +80,11 @@ def time_hf(
 ) -> dict[str, float]:
     """transformers' decode tok/s at batch 1 (after `context` tokens) and prefill seconds."""
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(5, vocab, (1, context), generator=g)
+    prompt = torch.randint(5, vocab, (1, context), generator=g).to(hf.device)
     stamps = _Stamps()
     _generate(hf, prompt, 1 + decode_tokens, stamps)
     steps = [b - a for a, b in zip(stamps.times, stamps.times[1:], strict=False)]
-    ids = torch.randint(5, vocab, (1, prefill_len), generator=g)
+    ids = torch.randint(5, vocab, (1, prefill_len), generator=g).to(hf.device)
     return {
         "decode_step_s_b1": min(steps),
         "prefill_s": best_s(lambda: _generate(hf, ids, 1), repeats),

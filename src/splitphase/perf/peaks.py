@@ -13,7 +13,7 @@ from splitphase.hardware.calibrate import (
     measure_gemm_flops_per_s,
     measure_triad_bandwidth_bytes_per_s,
 )
-from splitphase.hardware.specs import HARDWARE
+from splitphase.hardware.specs import HARDWARE, hardware_for_gpu
 from splitphase.kernels import packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.perf.timing import best_s
@@ -89,8 +89,7 @@ def datasheet_peaks(device: torch.device) -> dict[str, float]:
     """The hardware table's bandwidth and bf16 peak for a recognised GPU (H100/H200/A100)."""
     if device.type != "cuda":
         return {}
-    name = torch.cuda.get_device_name(device).lower()
-    key = next((k for k in HARDWARE if k.split("-")[0] in name.replace(" ", "")), None)
+    key = hardware_for_gpu(torch.cuda.get_device_name(device))
     if key is None:
         return {}
     spec = HARDWARE[key]

@@ -116,7 +116,7 @@ def time_decode(model: Transformer, batch: int, context: int, steps: int) -> Dec
 
 
 def time_prefill(model: Transformer, prompt_len: int, repeats: int) -> tuple[float, float]:
-    """(median seconds, analytical FLOPs) of prefilling one prompt into a fresh cache."""
+    """(best seconds, analytical FLOPs) of prefilling one prompt into a fresh cache."""
     ids = torch.randint(0, model.cfg.vocab_size, (1, prompt_len), device=model.device)
     cache = model.new_cache(1, prompt_len)
 

@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from splitphase.engine.llm_engine import StepRecord
 from splitphase.engine.request import Request
-from splitphase.hardware.specs import HardwareError, HardwareSpec, get_hardware
+from splitphase.hardware.specs import HardwareError, HardwareSpec, get_hardware, hardware_for_gpu
 
 log = logging.getLogger("splitphase.server")
 
@@ -50,10 +50,6 @@ TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 
                    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-# Substrings of torch.cuda.get_device_name() -> hardware table name; first match wins.
-_GPU_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
-              ("a100", "a100-80gb"), ("l40s", "l40s"), ("l4", "l4"), ("b200", "b200"),
-              ("mi300x", "mi300x"))
 
 
 @dataclass(frozen=True)
@@ -74,10 +70,10 @@ def resolve_hardware(name: str | None, device: str) -> HardwareSpec | None:
         return get_hardware("cpu")
     import torch
 
-    gpu = torch.cuda.get_device_name(0).lower()
-    for needle, table_name in _GPU_NAMES:
-        if needle in gpu:
-            return get_hardware(table_name)
+    gpu = torch.cuda.get_device_name(0)
+    table_name = hardware_for_gpu(gpu)
+    if table_name is not None:
+        return get_hardware(table_name)
     log.warning("no peaks known for %r: pass --hardware NAME for the utilization gauges", gpu)
     return None
 
