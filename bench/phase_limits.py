@@ -30,7 +30,7 @@ import torch
 
 from splitphase.hardware.calibrate import cpu_model_name
 from splitphase.hardware.memory import keep_freed_memory
-from splitphase.kernels import build, packed_linear, prefill_attention, skinny
+from splitphase.kernels import amx, build, packed_linear, prefill_attention, skinny
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -334,6 +334,13 @@ def _print_table(results: dict) -> None:
           f"{results['concurrent']} concurrent vs 1")
 
 
+def _bf16_attention(head_dim: int) -> str:
+    """Which path bf16 prefill attention takes here."""
+    if not prefill_attention.takes_bf16(head_dim):
+        return "sdpa"
+    return "native, AMX tiles" if amx.AMX_TILES else "native"
+
+
 def main() -> None:
     args = _args()
     threads = _threads(args.threads)
@@ -347,7 +354,7 @@ def main() -> None:
         "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
         "packed_prefill_linears": packed_linear.mode(),
         "packed_prefill_gemm": packed_linear.backend(),
-        "bf16_prefill_attention": "native" if prefill_attention.takes_bf16() else "sdpa",
+        "bf16_prefill_attention": _bf16_attention(ModelConfig.from_name(args.preset).head_dim),
         "malloc_keeps_freed_memory": kept,
         "llamacpp_version": llama_cpp_module()[1],
         "torch": torch.__version__,

@@ -6,7 +6,8 @@ linear instead (`SPLITPHASE_PACKED_PREFILL=0`); "packed-mkl" and "packed-onednn"
 packed GEMM (`SPLITPHASE_PACKED_GEMM`); "unfused" swaps in the torch arithmetic the
 element-wise passes replaced (`x + r` then the norm; `F.silu(g) * u`); "fresh" has those native
 passes write new buffers instead of over the projection's output; "sdpa" runs attention through
-torch's SDPA instead of the native causal prefill kernel; everything else equal. Runs
+torch's SDPA instead of the native causal prefill kernel; "no-amx-attention" keeps bf16
+attention in the native kernel off the AMX tiles (VDPBF16PS); everything else equal. Runs
 alternate, each timed after one untimed prefill in its variant (a backend switch repacks the
 weights there), each figure is the best run; the FLOP fraction uses
 `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
@@ -72,6 +73,11 @@ def _sdpa() -> contextlib.AbstractContextManager[None]:
     return prefill_attention.switched(False)
 
 
+def _no_amx_attention() -> contextlib.AbstractContextManager[None]:
+    """bf16 attention in the native kernel on VDPBF16PS, not on AMX tiles (where it has them)."""
+    return prefill_attention.amx_switched(False)
+
+
 def _gemm(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """The packed GEMM of backend `name` (MKL's, oneDNN's) whatever the probe picked."""
     return lambda: packed_linear.using_backend(name)
@@ -79,7 +85,7 @@ def _gemm(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
 
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused,
-    "fresh": _fresh, "sdpa": _sdpa,
+    "fresh": _fresh, "sdpa": _sdpa, "no-amx-attention": _no_amx_attention,
     **{f"packed-{name}": _gemm(name) for name in packed_linear.backends()}}
 
 

@@ -120,10 +120,11 @@ def test_paged_chunks_match_the_gathered_sdpa() -> None:
 @needs_kernel
 @pytest.mark.parametrize(("t", "s"), [(130, 130), (9, 70)])
 def test_bf16_is_the_fp32_result_rounded_once(t: int, s: int) -> None:
-    # bf16 in, widened to fp32 in the tiles, rounded once on the way out: what SDPA gives in
-    # fp32 on the same bf16 values, to within that rounding (and fp32 sums near zero).
+    # bf16 in, widened to fp32 in the tiles (or multiplied exactly by VDPBF16PS), rounded once
+    # on the way out: what SDPA gives in fp32 on the same bf16 values, to within that rounding
+    # (and fp32 sums near zero). The AMX tiles round P too: next test.
     q, k, v = (x.bfloat16() for x in _qkv(2, t, s, 12, 4, 64, seed=11))
-    with prefill_attention.bf16_switched(True):
+    with prefill_attention.bf16_switched(True), prefill_attention.amx_switched(False):
         got = prefill_attention.causal(q, k, v)
     assert got is not None and got.dtype == torch.bfloat16
     want = _sdpa(q.float(), k.float(), v.float())
@@ -139,7 +140,7 @@ def test_bf16_paged_chunks_match_the_gathered_fp32_sdpa() -> None:
     rows, slots = torch.arange(3, 43), torch.randperm(300, generator=g)[:60]
     out = torch.zeros(50, 12 * 64, dtype=torch.bfloat16)
     chunks = prefill_attention.PagedChunks.build([(rows, slots)])
-    with prefill_attention.bf16_switched(True):
+    with prefill_attention.bf16_switched(True), prefill_attention.amx_switched(False):
         assert prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out)
     want = _sdpa(q[rows][None].float(), k_pool[slots][None].float(), v_pool[slots][None].float())
     torch.testing.assert_close(out[rows].float(), want[0], atol=1e-6, rtol=2**-8)
@@ -156,8 +157,54 @@ def test_bf16_goes_to_sdpa_when_switched_off_and_fp32_stays() -> None:
         assert prefill_attention.causal(q.bfloat16(), k.bfloat16(), v.bfloat16()) is not None
 
 
-def test_bf16_takes_the_kernel_unless_the_cpu_has_amx_tiles() -> None:
-    assert prefill_attention.takes_bf16() == (not amx.AMX_TILES)
+needs_amx = pytest.mark.skipif(not prefill_attention.amx_tiles(),
+                               reason="the kernel has no AMX tiles on this CPU")
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    e = (got.float() - want).abs()
+    return float(e.max()), float(e.mean())
+
+
+@needs_amx
+@pytest.mark.parametrize(("t", "s", "heads", "groups", "dim"), [
+    (130, 130, 12, 4, 64), (9, 70, 12, 4, 64), (17, 17, 4, 4, 64), (65, 200, 8, 2, 128),
+    (40, 40, 6, 2, 96), (1, 1, 12, 4, 64), (300, 300, 12, 4, 64)])
+def test_bf16_on_amx_tiles_is_as_close_as_torch_bf16_sdpa(t: int, s: int, heads: int,
+                                                         groups: int, dim: int) -> None:
+    """The tiles round P to bf16 for P V, as torch's bf16 flash kernel does: against SDPA in
+    fp32 on the same bf16 values, the error is torch bf16 SDPA's own (mean within 10%)."""
+    q, k, v = (x.bfloat16() for x in _qkv(2, t, s, heads, groups, dim, seed=5))
+    with prefill_attention.bf16_switched(True):
+        got = prefill_attention.causal(q, k, v)
+    assert got is not None and got.dtype == torch.bfloat16
+    want = _sdpa(q.float(), k.float(), v.float())
+    ours, torchs = _error(got, want), _error(_sdpa(q, k, v), want)
+    assert ours[0] <= torchs[0] + 2**-8 and ours[1] <= 1.1 * torchs[1] + 1e-6, (ours, torchs)
+
+
+@needs_amx
+def test_bf16_paged_chunks_on_amx_tiles_match_the_whole_prompt_path() -> None:
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(70, 12, 64, generator=g).bfloat16()
+    k_pool, v_pool = (torch.randn(300, 4, 64, generator=g).bfloat16() for _ in range(2))
+    chunks = [(torch.arange(0, 30), torch.randperm(300, generator=g)[:100]),
+              (torch.arange(30, 70), torch.randperm(300, generator=g)[:40])]
+    out = torch.zeros(70, 12 * 64, dtype=torch.bfloat16)
+    with prefill_attention.bf16_switched(True):
+        assert prefill_attention.causal_paged(
+            q, k_pool, v_pool, prefill_attention.PagedChunks.build(chunks), out)
+        for rows, slots in chunks:  # one chunk at a time, through the strided path: same tiles
+            alone = prefill_attention.causal(q[rows][None], k_pool[slots][None],
+                                             v_pool[slots][None])
+            assert alone is not None and torch.equal(out[rows], alone[0])
+
+
+def test_bf16_takes_the_kernel_unless_the_cpu_has_amx_tiles_it_cannot_use() -> None:
+    assert prefill_attention.takes_bf16() == (not amx.AMX_TILES or prefill_attention.amx_tiles())
+    assert prefill_attention.takes_bf16(48) == (not amx.AMX_TILES)  # no multiple of 32
+    with prefill_attention.bf16_switched(False):
+        assert not prefill_attention.takes_bf16()
 
 
 def test_paged_chunks_with_more_queries_than_keys_are_not_valid() -> None:

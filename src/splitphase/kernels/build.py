@@ -25,7 +25,7 @@ SOURCES = [HERE / n for n in (
     "decode_stack.cpp", "prefill_attention.cpp",
 )]
 HEADERS = [HERE / "simd.h", HERE / "pool.h", HERE / "ops.h", HERE / "attention_tiles.h",
-           HERE / "amx_tiles.h"]
+           HERE / "amx_tiles.h", HERE / "attention_amx.h", HERE / "attention_kv.h"]
 _NAME = "splitphase_kernels"
 
 

@@ -14,157 +14,27 @@
 // back once, so bf16 costs a conversion per element read, not a second kernel. Where the CPU
 // has AVX512-BF16, bf16 queries and keys stay bf16 and Q K^T takes VDPBF16PS, two dimensions
 // a multiply (bench/prefill_budget.py --dtype bfloat16, base-125m on the AMD host: attention
-// 0.78-0.87x the time at 512 tokens, 0.81-0.82x at 2048).
+// 0.78-0.87x the time at 512 tokens, 0.81-0.82x at 2048). Where it has AMX tiles and D is a
+// multiple of 32, bf16 blocks of 16 rows take Q K^T and P V on the tiles (attention_amx.h;
+// bench/prefill_ab.py --dtype bfloat16 on the Intel host, three runs: with torch's SDPA
+// instead, the prefill takes 1.05-1.12x the time at 512 tokens, 1.09-1.13x at 2048, level at
+// 128). Operands: attention_kv.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
 
-#include "attention_tiles.h"
+#include "attention_kv.h"
 #include "ops.h"
 #include "pool.h"
 
 namespace {
-
-using splitphase_tiles::kKTile;
-using splitphase_tiles::kRows;
-
-// Query positions per work item, for hg query heads per K/V head: about 96 rows (positions x
-// heads) share each K/V tile, and a multiple of the 6-row register block where one exists
-// (a 2-row remainder block runs its multiply-adds at a third of the rate).
-int64_t q_tile(int64_t hg) {
-  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(64, 96 / hg));
-  for (int64_t t = most; t >= 1; --t)
-    if ((hg * t) % kRows == 0) return t;
-  return most;
-}
-
-// One sequence's rows: T queries (the last T of its S positions) over S keys; T is float or
-// at::BFloat16.
-template <typename T>
-struct Seq {
-  std::vector<const T*> q;  // (T,) each -> (H, D)
-  std::vector<const T*> k;  // (S,) each -> (G, D)
-  std::vector<const T*> v;  // (S,) each -> (G, D)
-  std::vector<T*> out;      // (T,) each -> (H * D)
-};
-
-struct Shape {
-  int64_t heads, groups, dim;
-  int64_t per_group() const { return heads / groups; }
-};
-
-int64_t n_tiles(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
-
-// Query rows (tokens) of the call, all sequences: what picks the thread team (pool.h).
-template <typename T>
-int64_t query_rows(const std::vector<Seq<T>>& seqs) {
-  int64_t rows = 0;
-  for (const auto& s : seqs) rows += static_cast<int64_t>(s.q.size());
-  return rows;
-}
-
-// Every (sequence, KV head, key tile) as a K tile (D, 64), transposed so one query row's
-// scores for 64 keys are four vectors of multiply-adds per dimension, then its V tile
-// (64, D); zeros past the sequence's last key.
-struct PackedKV {
-  std::unique_ptr<float[]> data;  // not value-initialised: pack_tile writes every element
-  std::vector<int64_t> seq_base;  // where sequence i's (G, tiles, 2, 64 * D) block starts
-  std::vector<int64_t> seq_tiles;
-
-  float* k_tile(int64_t seq, int64_t g, int64_t kt, int64_t d) {
-    return data.get() + seq_base[seq] + (g * seq_tiles[seq] + kt) * 2 * kKTile * d;
-  }
-  float* v_tile(int64_t seq, int64_t g, int64_t kt, int64_t d) {
-    return k_tile(seq, g, kt, d) + kKTile * d;
-  }
-  // bf16 keys for VDPBF16PS: the K tile's first half holds (D/2, 64, 2) bf16 pairs.
-  c10::BFloat16* k_pairs(int64_t seq, int64_t g, int64_t kt, int64_t d) {
-    return reinterpret_cast<c10::BFloat16*>(k_tile(seq, g, kt, d));
-  }
-};
-
-// bf16 queries and keys meet in VDPBF16PS where the CPU has it; everything else is widened.
-template <typename T>
-constexpr bool kPairs =
-#if defined(SPLITPHASE_BF16_DOT)
-    std::is_same_v<T, c10::BFloat16>;
-#else
-    false;
-#endif
-
-// Key c's D values (ks, or zeros where null) into its K tile: transposed fp32, or for
-// VDPBF16PS (D/2, 64, 2) bf16 pairs.
-template <typename T>
-void put_key(float* kdst, int64_t c, const T* ks, int64_t d) {
-  if constexpr (kPairs<T>) {
-    auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
-    for (int64_t x = 0; x < d; ++x) {
-      kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = ks ? ks[x] : T(0.f);
-    }
-  } else {
-    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = ks ? static_cast<float>(ks[x]) : 0.f;
-  }
-}
-
-template <typename T>
-void pack_tile(const Seq<T>& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
-  const int64_t len = static_cast<int64_t>(s.k.size());
-  for (int64_t c = 0; c < kKTile; ++c) {
-    int64_t key = kt * kKTile + c;
-    if (key >= len) {
-      put_key<T>(kdst, c, nullptr, d);
-      std::fill(vdst + c * d, vdst + (c + 1) * d, 0.f);
-      continue;
-    }
-    put_key(kdst, c, s.k[key] + g * d, d);
-    std::copy(s.v[key] + g * d, s.v[key] + (g + 1) * d, vdst + c * d);
-  }
-}
-
-template <typename T>
-PackedKV pack_kv(const std::vector<Seq<T>>& seqs, const Shape& sh) {
-  PackedKV pk;
-  int64_t total = 0;
-  std::vector<std::array<int64_t, 3>> jobs;  // (seq, g, key tile)
-  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
-    int64_t tiles = n_tiles(static_cast<int64_t>(seqs[i].k.size()), kKTile);
-    pk.seq_base.push_back(total);
-    pk.seq_tiles.push_back(tiles);
-    total += sh.groups * tiles * 2 * kKTile * sh.dim;
-    for (int64_t g = 0; g < sh.groups; ++g)
-      for (int64_t kt = 0; kt < tiles; ++kt) jobs.push_back({i, g, kt});
-  }
-  pk.data.reset(new float[static_cast<size_t>(total)]);
-  auto pack = [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) {
-      auto [i, g, kt] = jobs[j];
-      pack_tile(seqs[i], g, kt, sh.dim, pk.k_tile(i, g, kt, sh.dim), pk.v_tile(i, g, kt, sh.dim));
-    }
-  };
-  splitphase_pool::parallel_chunks(static_cast<int64_t>(jobs.size()), 4, query_rows(seqs), pack);
-  return pk;
-}
-
-// One work item: query tile qt of sequence `seq`, the query heads of KV head g.
-struct Item {
-  int64_t seq, g, qt, key_tiles;
-};
-
-// Per-thread buffers of one work item, rows ordered position-major (row t * H/G + j is head
-// g * H/G + j at the tile's position t), so a query position's rows are adjacent in q and out.
-struct Scratch {
-  std::vector<float> q, o, s, stats;
-  std::vector<c10::BFloat16> q_pairs;  // bf16 queries as they are, for VDPBF16PS
-  std::vector<int64_t> valid, pos;
-};
+using namespace splitphase_prefill;  // this file is its one user
 
 template <typename T>
 void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk) {
@@ -223,9 +93,76 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
   }
 }
 
+#if defined(SPLITPHASE_AMX_ATTENTION)
+// attend_item on AMX tiles: the item's rows in blocks of 16 (the last padded with zero
+// queries that see no key), each block's scores, softmax step and P V per key tile.
+void attend_item_amx(const Seq<c10::BFloat16>& s, const Item& it, const Shape& sh, PackedKV& pk) {
+  namespace amx = splitphase_attn_amx;
+  const int64_t t_len = static_cast<int64_t>(s.q.size()), s_len = static_cast<int64_t>(s.k.size());
+  const int64_t offset = s_len - t_len, d = sh.dim, hg = sh.per_group();
+  const int64_t t0 = it.qt * q_tile(hg), tq = std::min(q_tile(hg), t_len - t0), rows = hg * tq;
+  const int64_t padded = n_tiles(rows, amx::kRows) * amx::kRows;
+  const float c = 1.4426950408889634f / std::sqrt(static_cast<float>(d));
+  thread_local Scratch w;
+  thread_local std::vector<c10::BFloat16> p;
+  w.q_pairs.assign(static_cast<size_t>(padded * d), c10::BFloat16(0.f));
+  w.o.assign(static_cast<size_t>(padded * d), 0.f);  // whole blocks: the tiles load and store them
+  w.s.resize(static_cast<size_t>(amx::kRows * kKTile));
+  w.stats.assign(static_cast<size_t>(18 * padded + 16), 0.f);
+  w.valid.assign(static_cast<size_t>(padded), 0);
+  w.pos.resize(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = offset + t0 + r / hg;  // not per tile: a division
+  p.resize(static_cast<size_t>(amx::kRows * kKTile));
+  float *m = w.stats.data(), *alpha = m + padded + 16, *l = alpha + padded;
+  std::fill(m, m + padded, -1e30f);
+  for (int64_t t = 0; t < tq; ++t) {
+    const c10::BFloat16* src = s.q[t0 + t] + it.g * hg * d;
+    std::copy(src, src + hg * d, w.q_pairs.data() + t * hg * d);
+  }
+  amx::Tiles tiles;
+  for (int64_t kt = 0; kt < it.key_tiles; ++kt) {
+    const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, s_len - k0);
+    for (int64_t r = 0; r < padded; r += amx::kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(amx::kRows, rows - r));
+      int64_t n = 0;
+      for (int i = 0; i < nr; ++i) {
+        w.valid[r + i] = std::clamp<int64_t>(w.pos[r + i] - k0 + 1, 0, n_keys);
+        n = std::max(n, w.valid[r + i]);
+      }
+      if (n == 0) continue;  // the block sees none of this tile
+      amx::scores(w.q_pairs.data() + r * d, d, pk.k_pairs(it.seq, it.g, kt, d), w.s.data());
+      splitphase_tiles::softmax_rows(w.s.data(), amx::kRows, w.valid.data() + r, c, m + r,
+                                     alpha + r, l + 16 * r);
+      amx::round_p(w.s.data(), p.data());
+      amx::add_values(p.data(), pk.v_pairs(it.seq, it.g, kt, d), alpha + r, w.o.data() + r * d, d);
+    }
+  }
+  for (int64_t t = 0; t < tq; ++t) {
+    c10::BFloat16* dst = s.out[t0 + t] + it.g * hg * d;
+    for (int64_t j = 0; j < hg; ++j) {
+      const int64_t r = t * hg + j;
+      const float inv = 1.f / std::accumulate(l + 16 * r, l + 16 * r + 16, 0.f);
+      for (int64_t x = 0; x < d; ++x) dst[j * d + x] = static_cast<c10::BFloat16>(w.o[r * d + x] * inv);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void attend_one(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk, bool amx) {
+#if defined(SPLITPHASE_AMX_ATTENTION)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (amx) return attend_item_amx(s, it, sh, pk);
+  }
+#endif
+  (void)amx;
+  attend_item(s, it, sh, pk);
+}
+
 template <typename T>
 void attend_all(const std::vector<Seq<T>>& seqs, const Shape& sh) {
-  PackedKV pk = pack_kv(seqs, sh);
+  const bool amx = use_amx<T>(sh.dim);
+  PackedKV pk = pack_kv(seqs, sh, amx);
   std::vector<Item> items;
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     int64_t t_len = static_cast<int64_t>(seqs[i].q.size());
@@ -242,7 +179,7 @@ void attend_all(const std::vector<Seq<T>>& seqs, const Shape& sh) {
                    [](const Item& a, const Item& b) { return a.key_tiles > b.key_tiles; });
   const int64_t rows = query_rows(seqs);
   splitphase_pool::parallel_chunks(static_cast<int64_t>(items.size()), 1, rows, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) attend_item(seqs[items[it].seq], items[it], sh, pk);
+    for (int64_t it = b; it < e; ++it) attend_one(seqs[items[it].seq], items[it], sh, pk, amx);
   });
   splitphase_pool::park_helpers();  // an o_proj GEMM comes next
 }
@@ -364,9 +301,22 @@ void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at:
     prefill_attention_paged_t<at::BFloat16>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
 }
 
+// bf16 prefill attention on AMX tiles (on) or VDPBF16PS (off); true when the tiles then take
+// bf16 here (built for them, and Linux permits them), for head_dims that are multiples of 32.
+bool set_amx_attention(bool on) {
+#if defined(SPLITPHASE_AMX_ATTENTION)
+  splitphase_attn_amx::enabled().store(on, std::memory_order_relaxed);
+  return on && splitphase_amx::permitted();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace splitphase_ops
 
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
+  m.def("set_amx_attention(bool on) -> bool");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
   m.def("prefill_attention_paged(Tensor q, Tensor k, Tensor v, Tensor q_rows, Tensor q_starts, "
         "Tensor slots, Tensor k_starts, Tensor(a!) out) -> ()");
@@ -375,4 +325,8 @@ TORCH_LIBRARY_FRAGMENT(splitphase, m) {
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
   m.impl("prefill_attention", &splitphase_ops::prefill_attention);
   m.impl("prefill_attention_paged", &splitphase_ops::prefill_attention_paged);
+}
+
+TORCH_LIBRARY_IMPL(splitphase, CatchAll, m) {
+  m.impl("set_amx_attention", &splitphase_ops::set_amx_attention);
 }

@@ -6,22 +6,23 @@ skips key tiles above the diagonal and reads each K/V tile once for all the quer
 its group (GQA), reading K/V in place: a strided view of the contiguous KV cache, or a paged
 pool through slots. It computes in fp32 and covers fp32 or bf16 inputs (bf16 widened as K/V
 and queries are copied into its tiles, the output rounded once) with a head_dim that is a
-multiple of 16; anything else (GPU, fp16, autograd) is left to the caller's torch path,
-and so is bf16 on a CPU with AMX tiles, where torch's own kernel multiplies on them.
+multiple of 16; anything else (GPU, fp16, autograd) is left to the caller's torch path.
+On a CPU with AMX tiles bf16 Q K^T and P V multiply on them (attention_amx.h) where the head_dim
+is a multiple of 32; otherwise there bf16 goes to torch's SDPA, whose flash kernel uses them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from splitphase.kernels import amx, skinny
+from splitphase.kernels import amx, build, skinny
 from splitphase.kernels.switch import Switch, switch_functions
 
 _SWITCH = Switch()
@@ -36,14 +37,39 @@ set_enabled, switched, is_enabled = switch_functions(
 )
 
 
-# bf16 through the native kernel, or through SDPA, whose flash kernel multiplies bf16 on AMX
-# tiles where the CPU has them (oneDNN's brgemm). On the Intel AMX host one layer of
-# base-125m's attention (12 query heads over 4 K/V heads) took SDPA 0.39-0.79x the kernel's
-# time at 64-2048 tokens (0.59x or less from 256), 0.43x for a 256-token chunk after 768
-# cached (fp32: 0.82x at 64 tokens, 1.4-2.0x from 128): a 512-token bf16 prefill 0.95x, 2048
-# tokens 0.64x. Without AMX the kernel is the faster path (the AMD host, session 21: a bf16
-# prefill of 512 tokens 146.1 ms on it, 197.5 on SDPA).
-_BF16 = Switch(on=not amx.AMX_TILES)
+# bf16 through the native kernel, or through SDPA (off). Where the CPU has AMX tiles the
+# kernel multiplies bf16 on them, and one layer of base-125m's attention (12 query heads over
+# 4 K/V heads, the Intel AMX host; `bench/prefill_attention_ab.py --dtype bfloat16`, two runs)
+# took 0.55-0.90x SDPA's time from 256 to 2048 tokens, 0.85-0.93x at 128, 1.15-1.33x at 64
+# (0.17 ms against 0.14); SDPA's flash kernel (oneDNN's brgemm on the same tiles) had taken
+# 0.39-0.79x the kernel's time without them (VDPBF16PS; session 25, 64-2048 tokens). So
+# bf16 goes to SDPA only on an AMX CPU where the library has no tiles or the head_dim is no
+# multiple of 32. Without AMX the kernel's VDPBF16PS path is the faster one (the AMD host,
+# session 21: a bf16 prefill of 512 tokens 146.1 ms on it, 197.5 on SDPA).
+_BF16 = Switch(on=True)
+AMX_HEAD_DIM_MULTIPLE = 32  # the tiles' sums run over 32 bf16 values (attention_amx.h)
+_amx_tiles: bool | None = None
+
+
+def amx_tiles() -> bool:
+    """Whether the loaded library multiplies bf16 attention on AMX tiles on this CPU."""
+    global _amx_tiles
+    if _amx_tiles is None:
+        _amx_tiles = build.available() and bool(torch.ops.splitphase.set_amx_attention(True))
+    return _amx_tiles
+
+
+@contextlib.contextmanager
+def amx_switched(on: bool) -> Iterator[None]:
+    """bf16 on AMX tiles (on) or on VDPBF16PS (off) inside the block (nothing without tiles)."""
+    if not amx_tiles():
+        yield
+        return
+    torch.ops.splitphase.set_amx_attention(on)
+    try:
+        yield
+    finally:
+        torch.ops.splitphase.set_amx_attention(True)
 
 
 def bf16_switched(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -51,9 +77,14 @@ def bf16_switched(on: bool) -> contextlib.AbstractContextManager[None]:
     return _BF16.switched(on)
 
 
-def takes_bf16() -> bool:
-    """Whether bf16 inputs take the native kernel here (off where the CPU has AMX tiles)."""
-    return _BF16.on
+def takes_bf16(head_dim: int | None = None) -> bool:
+    """Whether bf16 inputs (of this head_dim) take the native kernel here: not on an AMX CPU
+    where the kernel cannot use the tiles for them."""
+    if not _BF16.on:
+        return False
+    if not amx.AMX_TILES:
+        return True
+    return amx_tiles() and (head_dim is None or head_dim % AMX_HEAD_DIM_MULTIPLE == 0)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -66,7 +97,7 @@ def _ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
         return False
-    if q.dtype == torch.bfloat16 and not _BF16.on:
+    if q.dtype == torch.bfloat16 and not takes_bf16(q.shape[-1]):
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
