@@ -184,7 +184,7 @@ struct Item {
 // g * H/G + j at the tile's position t), so a query position's rows are adjacent in q and out.
 struct Scratch {
   std::vector<float> q, o, s, stats;
-  std::vector<c10::BFloat16> q_pairs;  // bf16 queries as they are, for VDPBF16PS
+  std::vector<c10::BFloat16> q_pairs;  // bf16 queries as they are (VDPBF16PS, AMX tiles)
   std::vector<int64_t> valid, pos;
 };
 

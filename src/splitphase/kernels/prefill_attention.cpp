@@ -36,13 +36,63 @@
 namespace {
 using namespace splitphase_prefill;  // this file is its one user
 
+// A work item's rows: its query positions t0..t0+tq-1, hg heads a position, position-major.
+struct ItemRows {
+  int64_t s_len, offset, d, hg, t0, tq, rows;
+  float c;  // the softmax in log2 units: 2^(c s) = e^(s / sqrt(D))
+
+  template <typename T>
+  ItemRows(const Seq<T>& s, const Item& it, const Shape& sh)
+      : s_len(static_cast<int64_t>(s.k.size())),
+        offset(s_len - static_cast<int64_t>(s.q.size())),
+        d(sh.dim),
+        hg(sh.per_group()),
+        t0(it.qt * q_tile(hg)),
+        tq(std::min(q_tile(hg), static_cast<int64_t>(s.q.size()) - t0)),
+        rows(hg * tq),
+        c(1.4426950408889634f / std::sqrt(static_cast<float>(d))) {}
+};
+
+// The item's queries into qs (the group's heads of one position are adjacent), each row's
+// position into pos (once an item, not per tile: a division).
+template <typename T, typename Q>
+void load_rows(const Seq<T>& s, const Item& it, const ItemRows& ir, Q* qs, int64_t* pos) {
+  for (int64_t t = 0; t < ir.tq; ++t) {
+    const T* src = s.q[ir.t0 + t] + it.g * ir.hg * ir.d;
+    std::copy(src, src + ir.hg * ir.d, qs + t * ir.hg * ir.d);
+  }
+  for (int64_t r = 0; r < ir.rows; ++r) pos[r] = ir.offset + ir.t0 + r / ir.hg;
+}
+
+// How many keys of the tile at k0 each of a block's nr rows sees (those at positions <= its
+// own), and the most any of them sees.
+inline int64_t see(const int64_t* pos, int nr, int64_t k0, int64_t n_keys, int64_t* valid) {
+  int64_t n = 0;
+  for (int i = 0; i < nr; ++i) {
+    valid[i] = std::clamp<int64_t>(pos[i] - k0 + 1, 0, n_keys);
+    n = std::max(n, valid[i]);
+  }
+  return n;
+}
+
+// The item's rows of o over their softmax sums (16 lanes a row in l) into the output, as T.
+template <typename T>
+void store_rows(const Seq<T>& s, const Item& it, const ItemRows& ir, const float* o,
+                const float* l) {
+  for (int64_t t = 0; t < ir.tq; ++t) {
+    T* dst = s.out[ir.t0 + t] + it.g * ir.hg * ir.d;
+    for (int64_t j = 0; j < ir.hg; ++j) {
+      const int64_t r = t * ir.hg + j;
+      const float inv = 1.f / std::accumulate(l + 16 * r, l + 16 * r + 16, 0.f);
+      for (int64_t x = 0; x < ir.d; ++x) dst[j * ir.d + x] = static_cast<T>(o[r * ir.d + x] * inv);
+    }
+  }
+}
+
 template <typename T>
 void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk) {
-  const int64_t t_len = static_cast<int64_t>(s.q.size()), s_len = static_cast<int64_t>(s.k.size());
-  const int64_t offset = s_len - t_len, d = sh.dim, hg = sh.per_group();
-  const int64_t t0 = it.qt * q_tile(hg), tq = std::min(q_tile(hg), t_len - t0), rows = hg * tq;
-  // Softmax in log2 units: 2^(c s) = e^(s / sqrt(D)).
-  const float c = 1.4426950408889634f / std::sqrt(static_cast<float>(d));
+  const ItemRows ir(s, it, sh);
+  const int64_t d = ir.d, rows = ir.rows;
   thread_local Scratch w;
   auto& qs = [&]() -> auto& {
     if constexpr (kPairs<T>) return w.q_pairs; else return w.q;
@@ -53,16 +103,12 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
   w.stats.assign(static_cast<size_t>(18 * rows + 16), 0.f);  // max, rescale, 16-lane sums
   w.valid.resize(static_cast<size_t>(rows));
   w.pos.resize(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) w.pos[r] = offset + t0 + r / hg;  // not per tile: a division
   float *m = w.stats.data(), *alpha = m + rows + 16, *l = alpha + rows;
   // A finite floor, not -inf: the first rescale 2^(floor - m) is then exactly 0, not NaN.
   std::fill(m, m + rows, -1e30f);
-  for (int64_t t = 0; t < tq; ++t) {  // the group's heads of one position are adjacent
-    const T* src = s.q[t0 + t] + it.g * hg * d;
-    std::copy(src, src + hg * d, qs.data() + t * hg * d);
-  }
+  load_rows(s, it, ir, qs.data(), w.pos.data());
   for (int64_t kt = 0; kt < it.key_tiles; ++kt) {
-    const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, s_len - k0);
+    const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, ir.s_len - k0);
     const auto* ktile = [&] {
       if constexpr (kPairs<T>) return pk.k_pairs(it.seq, it.g, kt, d);
       else return pk.k_tile(it.seq, it.g, kt, d);
@@ -70,27 +116,17 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
     const float* vtile = pk.v_tile(it.seq, it.g, kt, d);
     for (int64_t r = 0; r < rows; r += kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r));
-      int64_t n = 0;  // keys at positions <= the row's own: the last row of a block sees most
-      for (int i = 0; i < nr; ++i) {
-        w.valid[r + i] = std::clamp<int64_t>(w.pos[r + i] - k0 + 1, 0, n_keys);
-        n = std::max(n, w.valid[r + i]);
-      }
+      // The last row of a block sees most: keys past it are not multiplied.
+      const int64_t n = see(w.pos.data() + r, nr, k0, n_keys, w.valid.data() + r);
       if (n == 0) continue;  // the block sees none of this tile: its state stays as it is
       splitphase_tiles::qk(nr, static_cast<int>(n_tiles(n, 16)), qs.data() + r * d, d, ktile,
                            d, w.s.data());
-      splitphase_tiles::softmax_rows(w.s.data(), nr, w.valid.data() + r, c, m + r, alpha + r,
+      splitphase_tiles::softmax_rows(w.s.data(), nr, w.valid.data() + r, ir.c, m + r, alpha + r,
                                      l + 16 * r);
       splitphase_tiles::pv(nr, w.s.data(), vtile, n, alpha + r, w.o.data() + r * d, d);
     }
   }
-  for (int64_t t = 0; t < tq; ++t) {
-    T* dst = s.out[t0 + t] + it.g * hg * d;
-    for (int64_t j = 0; j < hg; ++j) {
-      const int64_t r = t * hg + j;
-      const float inv = 1.f / std::accumulate(l + 16 * r, l + 16 * r + 16, 0.f);
-      for (int64_t x = 0; x < d; ++x) dst[j * d + x] = static_cast<T>(w.o[r * d + x] * inv);
-    }
-  }
+  store_rows(s, it, ir, w.o.data(), l);
 }
 
 #if defined(SPLITPHASE_AMX_ATTENTION)
@@ -98,53 +134,34 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
 // queries that see no key), each block's scores, softmax step and P V per key tile.
 void attend_item_amx(const Seq<c10::BFloat16>& s, const Item& it, const Shape& sh, PackedKV& pk) {
   namespace amx = splitphase_attn_amx;
-  const int64_t t_len = static_cast<int64_t>(s.q.size()), s_len = static_cast<int64_t>(s.k.size());
-  const int64_t offset = s_len - t_len, d = sh.dim, hg = sh.per_group();
-  const int64_t t0 = it.qt * q_tile(hg), tq = std::min(q_tile(hg), t_len - t0), rows = hg * tq;
-  const int64_t padded = n_tiles(rows, amx::kRows) * amx::kRows;
-  const float c = 1.4426950408889634f / std::sqrt(static_cast<float>(d));
+  const ItemRows ir(s, it, sh);
+  const int64_t d = ir.d, rows = ir.rows, padded = n_tiles(rows, amx::kRows) * amx::kRows;
   thread_local Scratch w;
-  thread_local std::vector<c10::BFloat16> p;
+  thread_local std::vector<c10::BFloat16> p;  // a block's P, rounded for P V
   w.q_pairs.assign(static_cast<size_t>(padded * d), c10::BFloat16(0.f));
   w.o.assign(static_cast<size_t>(padded * d), 0.f);  // whole blocks: the tiles load and store them
   w.s.resize(static_cast<size_t>(amx::kRows * kKTile));
   w.stats.assign(static_cast<size_t>(18 * padded + 16), 0.f);
-  w.valid.assign(static_cast<size_t>(padded), 0);
+  w.valid.assign(static_cast<size_t>(padded), 0);  // padding rows see no key
   w.pos.resize(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) w.pos[r] = offset + t0 + r / hg;  // not per tile: a division
   p.resize(static_cast<size_t>(amx::kRows * kKTile));
   float *m = w.stats.data(), *alpha = m + padded + 16, *l = alpha + padded;
   std::fill(m, m + padded, -1e30f);
-  for (int64_t t = 0; t < tq; ++t) {
-    const c10::BFloat16* src = s.q[t0 + t] + it.g * hg * d;
-    std::copy(src, src + hg * d, w.q_pairs.data() + t * hg * d);
-  }
+  load_rows(s, it, ir, w.q_pairs.data(), w.pos.data());
   amx::Tiles tiles;
   for (int64_t kt = 0; kt < it.key_tiles; ++kt) {
-    const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, s_len - k0);
+    const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, ir.s_len - k0);
     for (int64_t r = 0; r < padded; r += amx::kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(amx::kRows, rows - r));
-      int64_t n = 0;
-      for (int i = 0; i < nr; ++i) {
-        w.valid[r + i] = std::clamp<int64_t>(w.pos[r + i] - k0 + 1, 0, n_keys);
-        n = std::max(n, w.valid[r + i]);
-      }
-      if (n == 0) continue;  // the block sees none of this tile
+      if (see(w.pos.data() + r, nr, k0, n_keys, w.valid.data() + r) == 0) continue;
       amx::scores(w.q_pairs.data() + r * d, d, pk.k_pairs(it.seq, it.g, kt, d), w.s.data());
-      splitphase_tiles::softmax_rows(w.s.data(), amx::kRows, w.valid.data() + r, c, m + r,
+      splitphase_tiles::softmax_rows(w.s.data(), amx::kRows, w.valid.data() + r, ir.c, m + r,
                                      alpha + r, l + 16 * r);
       amx::round_p(w.s.data(), p.data());
       amx::add_values(p.data(), pk.v_pairs(it.seq, it.g, kt, d), alpha + r, w.o.data() + r * d, d);
     }
   }
-  for (int64_t t = 0; t < tq; ++t) {
-    c10::BFloat16* dst = s.out[t0 + t] + it.g * hg * d;
-    for (int64_t j = 0; j < hg; ++j) {
-      const int64_t r = t * hg + j;
-      const float inv = 1.f / std::accumulate(l + 16 * r, l + 16 * r + 16, 0.f);
-      for (int64_t x = 0; x < d; ++x) dst[j * d + x] = static_cast<c10::BFloat16>(w.o[r * d + x] * inv);
-    }
-  }
+  store_rows(s, it, ir, w.o.data(), l);
 }
 #endif
 
