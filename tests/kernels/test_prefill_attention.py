@@ -200,6 +200,25 @@ def test_bf16_paged_chunks_on_amx_tiles_match_the_whole_prompt_path() -> None:
             assert alone is not None and torch.equal(out[rows], alone[0])
 
 
+@needs_amx
+def test_amx_switched_nests_and_restores() -> None:
+    q, k, v = (x.bfloat16() for x in _qkv(1, 40, 40, 12, 4, 64, seed=3))
+
+    def run() -> torch.Tensor:
+        with prefill_attention.bf16_switched(True):
+            out = prefill_attention.causal(q, k, v)
+        assert out is not None
+        return out
+
+    tiles = run()
+    with prefill_attention.amx_switched(False):
+        vdp = run()
+        with prefill_attention.amx_switched(False):
+            pass
+        assert torch.equal(run(), vdp)  # still off after the inner block
+    assert torch.equal(run(), tiles) and not torch.equal(tiles, vdp)
+
+
 def test_bf16_takes_the_kernel_unless_the_cpu_has_amx_tiles_it_cannot_use() -> None:
     assert prefill_attention.takes_bf16() == (not amx.AMX_TILES or prefill_attention.amx_tiles())
     assert prefill_attention.takes_bf16(48) == (not amx.AMX_TILES)  # no multiple of 32

@@ -49,6 +49,7 @@ set_enabled, switched, is_enabled = switch_functions(
 _BF16 = Switch(on=True)
 AMX_HEAD_DIM_MULTIPLE = 32  # the tiles' sums run over 32 bf16 values (attention_amx.h)
 _amx_tiles: bool | None = None
+_AMX = Switch(on=True)  # bf16 on the tiles (where they exist), mirrored into the library
 
 
 def amx_tiles() -> bool:
@@ -65,11 +66,13 @@ def amx_switched(on: bool) -> Iterator[None]:
     if not amx_tiles():
         yield
         return
+    before, _AMX.on = _AMX.on, on
     torch.ops.splitphase.set_amx_attention(on)
     try:
         yield
     finally:
-        torch.ops.splitphase.set_amx_attention(True)
+        _AMX.on = before
+        torch.ops.splitphase.set_amx_attention(before)
 
 
 def bf16_switched(on: bool) -> contextlib.AbstractContextManager[None]:
