@@ -30,7 +30,7 @@ import torch
 
 from splitphase.hardware.calibrate import cpu_model_name
 from splitphase.hardware.memory import keep_freed_memory
-from splitphase.kernels import amx, build, packed_linear, prefill_attention, skinny
+from splitphase.kernels import amx, build, gemm_choice, packed_linear, prefill_attention, skinny
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
@@ -379,6 +379,7 @@ def main() -> None:
         results["dtypes"][name] = {
             "ours": ours, "baselines": base, "ratios": _ratios(ours, base, args.prefill[0])
         }
+    results["gemm_forms"] = gemm_choice.chosen()  # the form each prefill linear took here
     primary = "float32" if "float32" in args.dtypes else args.dtypes[0]
     results.update(_summary(results, primary))
     _print_table(results)

@@ -7,7 +7,9 @@ packed GEMM (`SPLITPHASE_PACKED_GEMM`); "unfused" swaps in the torch arithmetic 
 element-wise passes replaced (`x + r` then the norm; `F.silu(g) * u`); "fresh" has those native
 passes write new buffers instead of over the projection's output; "sdpa" runs attention through
 torch's SDPA instead of the native causal prefill kernel; "no-amx-attention" keeps bf16
-attention in the native kernel off the AMX tiles (VDPBF16PS); everything else equal. Runs
+attention in the native kernel off the AMX tiles (VDPBF16PS); "form-packed", "form-split" and
+"form-torch" run every packed linear in that form instead of the one `gemm_choice` timed fastest
+for its shape and rows ("form-packed" is the model before that choice); everything else equal. Runs
 alternate, each timed after one untimed prefill in its variant (a backend switch repacks the
 weights there), each figure is the best run; the FLOP fraction uses
 `splitphase.audit.flops.prefill_flops` (causal attention: n(n+1)/2
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 
 from splitphase.audit.flops import prefill_flops
 from splitphase.hardware.memory import keep_freed_memory
-from splitphase.kernels import elementwise, packed_linear, prefill_attention
+from splitphase.kernels import elementwise, gemm_choice, packed_linear, prefill_attention
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 from splitphase.perf.peaks import matmul_peak_flops_per_s
@@ -83,10 +85,16 @@ def _gemm(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
     return lambda: packed_linear.using_backend(name)
 
 
+def _form(name: str) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """Every packed linear in form `name` (packed, split, torch) instead of the timed choice."""
+    return lambda: gemm_choice.forced(name)
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "model": contextlib.nullcontext, "unpacked": _unpacked, "unfused": _unfused,
     "fresh": _fresh, "sdpa": _sdpa, "no-amx-attention": _no_amx_attention,
-    **{f"packed-{name}": _gemm(name) for name in packed_linear.backends()}}
+    **{f"packed-{name}": _gemm(name) for name in packed_linear.backends()},
+    **{f"form-{name}": _form(name) for name in gemm_choice.FORMS}}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import packed_gemms, packed_linear
+from splitphase.kernels import gemm_choice, packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Linear
 from splitphase.model.transformer import Transformer
@@ -38,8 +38,9 @@ def gemm(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def packing_on():
-    """These tests switch packing on and leave the process as they found it."""
-    with packed_linear.switched(True):
+    """These tests switch packing on, in the packed GEMM's own form (whatever form would be
+    timed fastest: tests/kernels/test_gemm_choice.py), and leave the process as they found it."""
+    with packed_linear.switched(True), gemm_choice.forced("packed"):
         yield
 
 

@@ -50,7 +50,7 @@ import torch
 
 from splitphase.errors import UserError
 from splitphase.hardware.memory import available_host_memory_bytes
-from splitphase.kernels import amx
+from splitphase.kernels import amx, gemm_choice
 from splitphase.kernels.packed_gemms import GEMMS, HAVE
 from splitphase.kernels.switch import Switch, switch_functions
 
@@ -341,8 +341,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor
 def stacked_linear(
     x: torch.Tensor, ws: Sequence[torch.Tensor], pack: PackedWeight
 ) -> torch.Tensor | None:
-    """x @ cat(ws).T (..., sum N): several linears sharing x as one GEMM on one packed copy;
-    None where `usable` says no for any of them."""
+    """x @ cat(ws).T (..., sum N): several linears sharing x as one GEMM on one packed copy
+    (in the form `gemm_choice` found fastest for this shape and row count); None where `usable`
+    says no for any of them, or where torch's linear is the faster form."""
     if not ws or not all(usable(x, w) for w in ws):
         return None
     name = backend_for(x.dtype)
@@ -350,4 +351,9 @@ def stacked_linear(
     if name is None or got is None:
         return None
     packed, plain = got
-    return GEMMS[name].run(x, packed, plain, x.numel() // x.shape[-1])
+    gemm = GEMMS[name]
+
+    def on_packed(rows_x: torch.Tensor) -> torch.Tensor:
+        return gemm.run(rows_x, packed, plain, rows_x.numel() // rows_x.shape[-1])
+
+    return gemm_choice.run(x, ws, on_packed)  # None: torch's linear is faster here
