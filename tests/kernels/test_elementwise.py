@@ -40,8 +40,9 @@ def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_batch", [False, True])
-def test_rope_is_bit_exact(dtype: torch.dtype, per_batch: bool) -> None:
-    b, t, h, d = 2, 5, 3, 16
+@pytest.mark.parametrize("d", [16, 64, 80])  # half a head: a partial vector, two, two and a part
+def test_rope_is_bit_exact(dtype: torch.dtype, per_batch: bool, d: int) -> None:
+    b, t, h = 2, 5, 3
     pos = torch.arange(t).repeat(b, 1) + (torch.arange(b)[:, None] * 7 if per_batch else 0)
     cos, sin = rope_cos_sin(pos if per_batch else pos[:1], d, 10000.0, dtype)  # (B|1, T, D)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B|1, T, 1, D)
@@ -74,6 +75,22 @@ def test_shapes_the_kernel_does_not_cover_fall_back() -> None:
     cos, sin = torch.ones(1, 5, 1, 8), torch.zeros(1, 5, 1, 8)
     with torch.inference_mode():
         assert torch.equal(apply_rope(x, cos, sin), x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_stays_a_nan_through_the_passes(dtype: torch.dtype) -> None:
+    """The vector bf16 rounding must not carry a NaN into an infinity or a zero."""
+    x = torch.randn(2, 3, 2, 64).to(dtype)
+    x[0, 1, 1, 5] = float("nan")
+    cos, sin = rope_cos_sin(torch.arange(3)[None], 64, 10000.0, dtype)
+    y = elementwise.rope(x, cos[:, :, None, :], sin[:, :, None, :])
+    assert y is not None and y[0, 1, 1].isnan().any() and not y[1].isnan().any()
+    rows, r, w = x.reshape(12, 64), torch.randn(12, 64).to(dtype), torch.ones(64, dtype=dtype)
+    fused = elementwise.add_rms_norm(rows, r, w, 1e-5)
+    assert fused is not None
+    s, normed = fused
+    assert s[3, 5].isnan() and normed[3].isnan().all() and not normed[4].isnan().any()
 
 
 @needs_kernel

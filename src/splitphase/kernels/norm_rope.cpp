@@ -55,15 +55,49 @@ inline float sum_squares(const T* xr, int64_t d) {
 #endif
 }
 
+#if SPLITPHASE_AVX512
+// fn(i, n) over [0, d) in steps of 16 lanes, n = 16 but for a last partial step: the element
+// loops below in vector form, each lane the scalar loop's operations in its order (bf16
+// rounded where that loop rounds), so results stay bit-identical to it. Scalar loops over
+// c10::BFloat16 had compiled to a conversion call per element: the bf16 passes ran at about
+// half the fp32 passes' bytes per second (`bench/elementwise_rates.py`).
+template <typename F>
+inline void lanes(int64_t d, F&& fn) {
+  for (int64_t i = 0; i < d; i += 16) fn(i, std::min<int64_t>(16, d - i));
+}
+
+template <typename T>
+inline __m512 load(const T* p, int64_t n) {
+  return n == 16 ? splitphase_simd::load16(p) : splitphase_simd::load_tail(p, n);
+}
+
+template <typename T>
+inline void store(T* p, __m512 v, int64_t n) {
+  if (n == 16) {
+    splitphase_simd::store16(p, v);
+  } else {
+    splitphase_simd::store_tail(p, v, n);
+  }
+}
+#endif
+
 // One row: y = w * (x * rsqrt(mean(x^2) + eps)).
 template <typename T>
 inline void rms_row(const T* xr, const T* w, T* yr, int64_t d, float eps) {
   float ss = sum_squares(xr, d);
   float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+#if SPLITPHASE_AVX512
+  const __m512 iv = _mm512_set1_ps(inv);
+  lanes(d, [&](int64_t i, int64_t n) {
+    __m512 nv = splitphase_simd::round_to(_mm512_mul_ps(load(xr + i, n), iv), T());
+    store(yr + i, _mm512_mul_ps(load(w + i, n), nv), n);
+  });
+#else
   for (int64_t i = 0; i < d; ++i) {
     float n = rnd<T>(static_cast<float>(xr[i]) * inv);  // x32 * rsqrt(..) -> x.dtype
     yr[i] = static_cast<T>(static_cast<float>(w[i]) * n);
   }
+#endif
 }
 
 template <typename T>
@@ -80,9 +114,15 @@ void add_rms_rows(const T* x, const T* r, const T* w, T* s, T* y, int64_t rows, 
   splitphase_pool::parallel_chunks(rows, 8, rows, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t off = row * d;
+#if SPLITPHASE_AVX512
+      lanes(d, [&](int64_t i, int64_t n) {
+        store(s + off + i, _mm512_add_ps(load(x + off + i, n), load(r + off + i, n)), n);
+      });
+#else
       for (int64_t i = 0; i < d; ++i) {
         s[off + i] = static_cast<T>(static_cast<float>(x[off + i]) + static_cast<float>(r[off + i]));
       }
+#endif
       rms_row(s + off, w, y + off, d, eps);  // s's row is still in L1
     }
   });
@@ -152,6 +192,32 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_(const at::Tensor& x, at::Tensor
 
 namespace {
 
+// One head of D = 2 * half values: y = x * cos + rotate_half(x) * sin, each product rounded
+// to T as torch's bf16 ops round it.
+template <typename T>
+inline void rope_head(const T* xr, const T* cs, const T* sn, T* yr, int64_t half) {
+#if SPLITPHASE_AVX512
+  using splitphase_simd::round_to;
+  const __m512 minus = _mm512_set1_ps(-1.f);  // an exact sign flip, as the scalar negation
+  lanes(half, [&](int64_t i, int64_t n) {
+    const __m512 lo = load(xr + i, n), hi = load(xr + half + i, n);
+    const __m512 a_lo = round_to(_mm512_mul_ps(lo, load(cs + i, n)), T());
+    const __m512 c_lo = round_to(_mm512_mul_ps(_mm512_mul_ps(hi, minus), load(sn + i, n)), T());
+    store(yr + i, _mm512_add_ps(a_lo, c_lo), n);
+    const __m512 a_hi = round_to(_mm512_mul_ps(hi, load(cs + half + i, n)), T());
+    const __m512 c_hi = round_to(_mm512_mul_ps(lo, load(sn + half + i, n)), T());
+    store(yr + half + i, _mm512_add_ps(a_hi, c_hi), n);
+  });
+#else
+  for (int64_t i = 0; i < 2 * half; ++i) {
+    float rot = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
+    float a = rnd<T>(static_cast<float>(xr[i]) * static_cast<float>(cs[i]));
+    float c = rnd<T>(rot * static_cast<float>(sn[i]));
+    yr[i] = static_cast<T>(a + c);
+  }
+#endif
+}
+
 template <typename T>
 void rope_rows(const T* x, int64_t x_row_stride, const T* cs, const T* sn, T* y, int64_t b,
                int64_t t, int64_t h, int64_t d, bool per_batch) {
@@ -162,12 +228,7 @@ void rope_rows(const T* x, int64_t x_row_stride, const T* cs, const T* sn, T* y,
       for (int64_t head = 0; head < h; ++head) {
         const T* xr = x + bt * x_row_stride + head * d;
         T* yr = y + (bt * h + head) * d;
-        for (int64_t i = 0; i < d; ++i) {
-          float rot = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
-          float a = rnd<T>(static_cast<float>(xr[i]) * static_cast<float>(cs[table + i]));
-          float c = rnd<T>(rot * static_cast<float>(sn[table + i]));
-          yr[i] = static_cast<T>(a + c);
-        }
+        rope_head(xr, cs + table, sn + table, yr, half);
       }
     }
   });

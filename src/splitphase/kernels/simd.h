@@ -24,6 +24,46 @@ inline __m512 load_tail(const c10::BFloat16* p, int64_t n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// Round-to-nearest-even to bf16, as c10::BFloat16 does: the bf16 bits in each 32-bit lane's
+// low half; a NaN lane gives c10's quiet NaN (the carry of the rounding would turn some into
+// infinities or zeros).
+inline __m512i bf16_bits(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+// 16 lanes rounded to bf16 (nearest even), packed in 256 bits. With AVX512-BF16 one
+// VCVTNEPS2BF16 (about a fifth of the instructions; it also flushes denormals, below 1.2e-38,
+// to zero where c10 keeps them), else bf16_bits.
+inline __m256i bf16_pack(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return _mm512_cvtepi32_epi16(bf16_bits(v));
+#endif
+}
+
+// v rounded to T's precision and widened back (nothing for float): where torch's bf16 ops
+// round an intermediate result.
+inline __m512 round_to(__m512 v, float) { return v; }
+inline __m512 round_to(__m512 v, c10::BFloat16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16));
+}
+
+// 16 lanes into T storage (bf16 rounded to nearest even); the _tail forms write the first n < 16.
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v));
+}
+inline void store_tail(float* p, __m512 v, int64_t n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+}
+inline void store_tail(c10::BFloat16* p, __m512 v, int64_t n) {
+  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), bf16_pack(v));
+}
+
 // out[0..4) = horizontal sums of a0..a3, all four at once (a transpose-and-add tree instead of
 // four serial reductions). Every path reduces through here, so a row's sum has one order.
 inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
