@@ -18,6 +18,7 @@ REQUIRED = [
     "decode_bw_fraction_b8",
     "prefill_flops_fraction_512",
     "prefill_gemm_ceiling_fraction_512",
+    "prefill_flops_fraction_512_interleaved",
     "speedup_vs_transformers_decode_b1",
     "speedup_vs_transformers_prefill_512",
     "speedup_vs_llamacpp_decode_b1",
@@ -50,6 +51,11 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
             assert d["tok_per_s"] > 0 and d["bw_fraction"] > 0
             assert d["bandwidth_bytes_per_s"] == d["bytes_per_step"] / d["step_s"]
         assert ours["prefill_64"]["flops_fraction"] > 0
+        paired = ours["interleaved_prefill_64_gemm"]  # the prefill and a GEMM in alternation
+        assert paired["flops_fraction"] == pytest.approx(
+            ours["prefill_64"]["flops"] / paired["prefill_s"]
+            / (paired["gemm_flops"] / paired["gemm_s"])
+        )
         assert 0 < ours["prefill_64"]["gemm_ceiling_fraction"] <= 1 + 1e-9  # shape <= peak
         assert ours["decode_overhead_fraction_b1"] > 0
         paired = ours["interleaved_b1_triad"]  # the step and a triad pass in alternation

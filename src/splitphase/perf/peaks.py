@@ -78,6 +78,24 @@ def _packed_forms_s(x: torch.Tensor, w: torch.Tensor, repeats: int) -> float:
     return seconds
 
 
+def gemm_pass(
+    cfg: ModelConfig, dtype: torch.dtype, rows: int, device: torch.device
+) -> tuple[Callable[[], object], float]:
+    """(one call, its FLOPs) of the model's gate/up GEMM, rows x d_model by d_ff x d_model,
+    the prefill's largest share of FLOPs, as the prefill runs it (packed where it would be):
+    timed in alternation with a prefill, it is the peak that prefill met."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cfg.d_model, generator=g).to(device, dtype)
+    w = torch.randn(cfg.d_ff, cfg.d_model, generator=g).to(device, dtype)
+    pack = packed_linear.PackedWeight()
+
+    def run() -> object:
+        out = packed_linear.linear(x, w, pack)
+        return F.linear(x, w) if out is None else out
+
+    return run, 2.0 * rows * cfg.d_model * cfg.d_ff
+
+
 def prefill_gemm_ceiling(
     cfg: ModelConfig, peaks: dict[str, float], dtype: str, prompt_len: int
 ) -> float:

@@ -115,8 +115,8 @@ def time_decode(model: Transformer, batch: int, context: int, steps: int) -> Dec
     )
 
 
-def time_prefill(model: Transformer, prompt_len: int, repeats: int) -> tuple[float, float]:
-    """(best seconds, analytical FLOPs) of prefilling one prompt into a fresh cache."""
+def prefill_fn(model: Transformer, prompt_len: int) -> Callable[[], None]:
+    """One prefill of a random prompt into a fresh cache, repeatable."""
     ids = torch.randint(0, model.cfg.vocab_size, (1, prompt_len), device=model.device)
     cache = model.new_cache(1, prompt_len)
 
@@ -124,7 +124,12 @@ def time_prefill(model: Transformer, prompt_len: int, repeats: int) -> tuple[flo
         cache.length = 0
         model.prefill(ids, cache)
 
-    return best_s(run, repeats), prefill_flops(model.cfg, prompt_len)
+    return run
+
+
+def time_prefill(model: Transformer, prompt_len: int, repeats: int) -> tuple[float, float]:
+    """(best seconds, analytical FLOPs) of prefilling one prompt into a fresh cache."""
+    return best_s(prefill_fn(model, prompt_len), repeats), prefill_flops(model.cfg, prompt_len)
 
 
 def overhead_model(cfg: ModelConfig) -> Transformer:
