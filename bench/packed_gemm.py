@@ -47,7 +47,7 @@ def main() -> None:
                     with packed_linear.using_backend(name):
                         run = partial(packed_linear.linear, x, w, packed_linear.PackedWeight())
                         rates.append(flops / best_s(run, args.repeats) / 1e9)
-                print(f"{rows:5d}  {out_f:5d}x{in_f:<5d} " + "  ".join(f"{r:7.0f}" for r in rates))
+                print(f"{rows:5d}  {out_f:5d}x{in_f:<5d} " + "  ".join(f"{r:7.1f}" for r in rates))
 
 
 if __name__ == "__main__":

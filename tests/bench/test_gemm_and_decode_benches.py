@@ -22,7 +22,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_packed_gemm_prints_a_rate_per_shape_and_backend() -> None:
-    proc = _run("packed_gemm.py", "--rows", "32", "--repeats", "1")
+    proc = _run("packed_gemm.py", "--rows", "32", "--repeats", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.lstrip().startswith("32 ")]
     assert len(rows) == 5  # tiny's distinct weight shapes, the head included
