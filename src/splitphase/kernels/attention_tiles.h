@@ -14,7 +14,8 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__BMI2__)
 #define SPLITPHASE_AVX512 1
 #include "simd.h"
 #endif
@@ -92,24 +93,31 @@ inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, con
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + col + 16 * c, acc[r][c]);
 }
 
-// 2^x, Cephes' exp2f: x = n + r with |r| <= 1/2, a degree-6 polynomial for 2^r, scaled by
-// 2^n (scalef gives 0 for a very negative n; no clamp needed). Lanes outside `keep` are 0.
+// 2^x as 2^f * 2^n, n = floor(x) and f = x - n in [0, 1) from one VREDUCEPS; 2^f by a
+// polynomial of degree Deg fitted for the least relative error on [0, 1), and VSCALEFPS
+// multiplies by 2^floor(x) itself (0 for a very negative x: no clamp needed). Degree 5 is
+// within 1.7e-7 of 2^f (fp32 rounding is 6e-8); degree 3 within 7.5e-5, for probabilities
+// rounded to bf16 (2^-9) next, as on the AMX tiles, where the exponentials are what bounds the
+// kernel: two multiply-adds fewer. Lanes outside `keep` are 0.
+template <int Deg>
 inline __m512 exp2_16(__mmask16 keep, __m512 x) {
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(keep, p, n);
-}
-
-inline __mmask16 first_lanes(int64_t n) {
-  if (n >= 16) return static_cast<__mmask16>(0xffff);
-  return n > 0 ? splitphase_simd::tail_mask(n) : static_cast<__mmask16>(0);
+  static_assert(Deg == 3 || Deg == 5, "fitted degrees");
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p;
+  if constexpr (Deg == 5) {
+    p = _mm512_set1_ps(1.877576578e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.989340626e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.582631752e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.401536107e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931530833e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999999404e-1f));
+  } else {
+    p = _mm512_set1_ps(7.802451402e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.260671705e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335638e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251962e-1f));
+  }
+  return _mm512_maskz_scalef_ps(keep, p, x);
 }
 
 // How far (log2 units) a row's scores may rise above its running shift before the shift
@@ -124,31 +132,39 @@ constexpr float kShiftSlack = 8.f;
 // becomes 2^(c s - m[r]) (0 past valid[r]), and the row's 16-lane partial sums
 // l[16r:16r+16] are rescaled and added to (one horizontal sum per row at the very end).
 // A row's shifts depend on its own scores alone, so its result does not depend on its batch.
+template <int Deg>
 inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
                          float* alpha, float* l) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(c);
   for (int r = 0; r < nr; ++r) {
-    __m512 mx = ninf;
+    // The row's scores stay in registers between the max and the exponentials, and its lane
+    // masks come from one BZHI: no branch but the rare shift, so rows overlap in the core.
+    float* row = s + r * kKTile;
+    const auto n = static_cast<unsigned>(std::clamp<int64_t>(valid[r], 0, kKTile));
+    const uint64_t seen = _bzhi_u64(~uint64_t{0}, n);
+    __m512 x[4], xm[4];
+    __mmask16 keep[4];
     for (int k = 0; k < 4; ++k) {
-      __m512 x = _mm512_loadu_ps(s + r * kKTile + 16 * k);
-      mx = _mm512_mask_max_ps(mx, first_lanes(valid[r] - 16 * k), mx, x);
+      x[k] = _mm512_loadu_ps(row + 16 * k);
+      keep[k] = static_cast<__mmask16>(seen >> (16 * k));
+      xm[k] = _mm512_mask_mov_ps(ninf, keep[k], x[k]);
     }
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(xm[0], xm[1]), _mm512_max_ps(xm[2], xm[3]));
     alpha[r] = 1.f;
     __m512 scaled = _mm512_mul_ps(mx, cv);  // the scale is > 0: max commutes with it
     if (_mm512_cmp_ps_mask(scaled, _mm512_set1_ps(m[r] + kShiftSlack), _CMP_GT_OQ)) {
       const float m_new = _mm512_reduce_max_ps(scaled);
-      alpha[r] = _mm512_cvtss_f32(exp2_16(1, _mm512_set1_ps(m[r] - m_new)));
+      alpha[r] = _mm512_cvtss_f32(exp2_16<Deg>(1, _mm512_set1_ps(m[r] - m_new)));
       m[r] = m_new;
     }
-    __m512 mv = _mm512_set1_ps(m[r]), sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m[r]);
+    __m512 e[4];
     for (int k = 0; k < 4; ++k) {
-      float* p = s + r * kKTile + 16 * k;
-      __m512 e = exp2_16(first_lanes(valid[r] - 16 * k),
-                         _mm512_fmsub_ps(_mm512_loadu_ps(p), cv, mv));
-      _mm512_storeu_ps(p, e);
-      sum = _mm512_add_ps(sum, e);
+      e[k] = exp2_16<Deg>(keep[k], _mm512_fmsub_ps(x[k], cv, mv));
+      _mm512_storeu_ps(row + 16 * k, e[k]);
     }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
     __m512 lr = _mm512_loadu_ps(l + 16 * r);
     _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(lr, _mm512_set1_ps(alpha[r]), sum));
   }
@@ -175,6 +191,7 @@ inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, con
   }
 }
 
+template <int Deg>  // the vector path's exp2 degree; std::exp2 here
 inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
                          float* alpha, float* l) {
   for (int r = 0; r < nr; ++r) {

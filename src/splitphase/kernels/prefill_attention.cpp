@@ -121,8 +121,8 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
       if (n == 0) continue;  // the block sees none of this tile: its state stays as it is
       splitphase_tiles::qk(nr, static_cast<int>(n_tiles(n, 16)), qs.data() + r * d, d, ktile,
                            d, w.s.data());
-      splitphase_tiles::softmax_rows(w.s.data(), nr, w.valid.data() + r, ir.c, m + r, alpha + r,
-                                     l + 16 * r);
+      splitphase_tiles::softmax_rows<5>(w.s.data(), nr, w.valid.data() + r, ir.c, m + r,
+                                        alpha + r, l + 16 * r);
       splitphase_tiles::pv(nr, w.s.data(), vtile, n, alpha + r, w.o.data() + r * d, d);
     }
   }
@@ -155,8 +155,9 @@ void attend_item_amx(const Seq<c10::BFloat16>& s, const Item& it, const Shape& s
       const int nr = static_cast<int>(std::min<int64_t>(amx::kRows, rows - r));
       if (see(w.pos.data() + r, nr, k0, n_keys, w.valid.data() + r) == 0) continue;
       amx::scores(w.q_pairs.data() + r * d, d, pk.k_pairs(it.seq, it.g, kt, d), w.s.data());
-      splitphase_tiles::softmax_rows(w.s.data(), amx::kRows, w.valid.data() + r, ir.c, m + r,
-                                     alpha + r, l + 16 * r);
+      // P is rounded to bf16 next (2^-9): the exp2 fit to 7.5e-5 serves (attention_tiles.h).
+      splitphase_tiles::softmax_rows<3>(w.s.data(), amx::kRows, w.valid.data() + r, ir.c,
+                                        m + r, alpha + r, l + 16 * r);
       amx::round_p(w.s.data(), p.data());
       amx::add_values(p.data(), pk.v_pairs(it.seq, it.g, kt, d), alpha + r, w.o.data() + r * d, d);
     }
