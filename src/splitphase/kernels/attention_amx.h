@@ -113,14 +113,6 @@ inline void scores(const Bf16* q, int64_t d, const Bf16* kp, float* s) {
   _tile_stored(3, s + 48, kKTile * 4);
 }
 
-// p (16 x 64 bf16) = s rounded to nearest even.
-inline void round_p(const float* s, Bf16* p) {
-  for (int64_t i = 0; i < kRows * kKTile; i += 32) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i));
-    _mm512_storeu_si512(p + i, (__m512i)v);
-  }
-}
-
 // o[:, 16 g0 .. 16 (g0 + G)) (16 rows, row stride d) += p . V for G groups of 16 dimensions,
 // the running output loaded into the result tiles and stored back.
 template <int G>

@@ -125,22 +125,31 @@ inline __m512 exp2_16(__mmask16 keep, __m512 x) {
 // are at most 2^8 (no overflow in fp32 sums), as FlashAttention-4's conditional rescaling.
 constexpr float kShiftSlack = 8.f;
 
+inline void store_p(float* p, __m512 e) { _mm512_storeu_ps(p, e); }
+#if defined(SPLITPHASE_BF16_DOT)
+// Rounded to nearest even, as torch's flash kernel rounds P for its bf16 P V.
+inline void store_p(c10::BFloat16* p, __m512 e) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
+}
+#endif
+
 // Folds one tile of raw scores s (nr rows x 64; row r's first valid[r] are real) into the
 // running softmax, in log2 units (c = scale * log2 e): where a score rises more than
 // kShiftSlack above the row's shift m[r], m[r] moves up to the tile's max and alpha[r] gets
-// 2^(m_old - m_new) (what the row's output so far is rescaled by), else alpha[r] = 1; s
-// becomes 2^(c s - m[r]) (0 past valid[r]), and the row's 16-lane partial sums
-// l[16r:16r+16] are rescaled and added to (one horizontal sum per row at the very end).
+// 2^(m_old - m_new) (what the row's output so far is rescaled by), else alpha[r] = 1; p (s
+// itself, or bf16 for the tiles' P V) gets 2^(c s - m[r]) (0 past valid[r]), and the row's
+// 16-lane partial sums l[16r:16r+16] of the unrounded values are rescaled and added to (one
+// horizontal sum per row at the very end).
 // A row's shifts depend on its own scores alone, so its result does not depend on its batch.
-template <int Deg>
-inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
+template <int Deg, typename P>
+inline void softmax_rows(const float* s, P* p, int nr, const int64_t* valid, float c, float* m,
                          float* alpha, float* l) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 cv = _mm512_set1_ps(c);
   for (int r = 0; r < nr; ++r) {
     // The row's scores stay in registers between the max and the exponentials, and its lane
     // masks come from one BZHI: no branch but the rare shift, so rows overlap in the core.
-    float* row = s + r * kKTile;
+    const float* row = s + r * kKTile;
     const auto n = static_cast<unsigned>(std::clamp<int64_t>(valid[r], 0, kKTile));
     const uint64_t seen = _bzhi_u64(~uint64_t{0}, n);
     __m512 x[4], xm[4];
@@ -162,7 +171,7 @@ inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float*
     __m512 e[4];
     for (int k = 0; k < 4; ++k) {
       e[k] = exp2_16<Deg>(keep[k], _mm512_fmsub_ps(x[k], cv, mv));
-      _mm512_storeu_ps(row + 16 * k, e[k]);
+      store_p(p + r * kKTile + 16 * k, e[k]);
     }
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
     __m512 lr = _mm512_loadu_ps(l + 16 * r);
@@ -191,18 +200,19 @@ inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, con
   }
 }
 
-template <int Deg>  // the vector path's exp2 degree; std::exp2 here
-inline void softmax_rows(float* s, int nr, const int64_t* valid, float c, float* m,
+template <int Deg, typename P>  // the vector path's exp2 degree; std::exp2 here
+inline void softmax_rows(const float* s, P* p, int nr, const int64_t* valid, float c, float* m,
                          float* alpha, float* l) {
   for (int r = 0; r < nr; ++r) {
-    float* p = s + r * kKTile;
+    const float* sr = s + r * kKTile;
     float m_new = m[r], sum = 0.f;
-    for (int64_t j = 0; j < valid[r]; ++j) m_new = std::max(m_new, p[j] * c);
+    for (int64_t j = 0; j < valid[r]; ++j) m_new = std::max(m_new, sr[j] * c);
     alpha[r] = std::exp2(m[r] - m_new);
     m[r] = m_new;
     for (int64_t j = 0; j < kKTile; ++j) {
-      p[j] = j < valid[r] ? std::exp2(p[j] * c - m_new) : 0.f;
-      sum += p[j];
+      const float e = j < valid[r] ? std::exp2(sr[j] * c - m_new) : 0.f;
+      p[r * kKTile + j] = static_cast<P>(e);
+      sum += e;
     }
     l[16 * r] = l[16 * r] * alpha[r] + sum;  // lane 0 of the row's partial sums
   }

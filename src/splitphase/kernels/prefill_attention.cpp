@@ -121,8 +121,8 @@ void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk)
       if (n == 0) continue;  // the block sees none of this tile: its state stays as it is
       splitphase_tiles::qk(nr, static_cast<int>(n_tiles(n, 16)), qs.data() + r * d, d, ktile,
                            d, w.s.data());
-      splitphase_tiles::softmax_rows<5>(w.s.data(), nr, w.valid.data() + r, ir.c, m + r,
-                                        alpha + r, l + 16 * r);
+      splitphase_tiles::softmax_rows<5>(w.s.data(), w.s.data(), nr, w.valid.data() + r, ir.c,
+                                        m + r, alpha + r, l + 16 * r);
       splitphase_tiles::pv(nr, w.s.data(), vtile, n, alpha + r, w.o.data() + r * d, d);
     }
   }
@@ -136,30 +136,44 @@ void attend_item_amx(const Seq<c10::BFloat16>& s, const Item& it, const Shape& s
   namespace amx = splitphase_attn_amx;
   const ItemRows ir(s, it, sh);
   const int64_t d = ir.d, rows = ir.rows, padded = n_tiles(rows, amx::kRows) * amx::kRows;
+  constexpr int64_t kBlock = amx::kRows * kKTile;  // one block's scores
   thread_local Scratch w;
   thread_local std::vector<c10::BFloat16> p;  // a block's P, rounded for P V
+  thread_local std::vector<int64_t> live;     // the blocks that see a key tile
   w.q_pairs.assign(static_cast<size_t>(padded * d), c10::BFloat16(0.f));
   w.o.assign(static_cast<size_t>(padded * d), 0.f);  // whole blocks: the tiles load and store them
-  w.s.resize(static_cast<size_t>(amx::kRows * kKTile));
+  w.s.resize(static_cast<size_t>(2 * kBlock));
   w.stats.assign(static_cast<size_t>(18 * padded + 16), 0.f);
   w.valid.assign(static_cast<size_t>(padded), 0);  // padding rows see no key
   w.pos.resize(static_cast<size_t>(rows));
-  p.resize(static_cast<size_t>(amx::kRows * kKTile));
+  p.resize(static_cast<size_t>(kBlock));
   float *m = w.stats.data(), *alpha = m + padded + 16, *l = alpha + padded;
   std::fill(m, m + padded, -1e30f);
   load_rows(s, it, ir, w.q_pairs.data(), w.pos.data());
+  const auto scores = [&](int64_t r, const c10::BFloat16* kp, float* out) {
+    amx::scores(w.q_pairs.data() + r * d, d, kp, out);
+  };
   amx::Tiles tiles;
   for (int64_t kt = 0; kt < it.key_tiles; ++kt) {
     const int64_t k0 = kt * kKTile, n_keys = std::min(kKTile, ir.s_len - k0);
+    live.clear();
     for (int64_t r = 0; r < padded; r += amx::kRows) {
       const int nr = static_cast<int>(std::min<int64_t>(amx::kRows, rows - r));
-      if (see(w.pos.data() + r, nr, k0, n_keys, w.valid.data() + r) == 0) continue;
-      amx::scores(w.q_pairs.data() + r * d, d, pk.k_pairs(it.seq, it.g, kt, d), w.s.data());
-      // P is rounded to bf16 next (2^-9): the exp2 fit to 7.5e-5 serves (attention_tiles.h).
-      splitphase_tiles::softmax_rows<3>(w.s.data(), amx::kRows, w.valid.data() + r, ir.c,
-                                        m + r, alpha + r, l + 16 * r);
-      amx::round_p(w.s.data(), p.data());
-      amx::add_values(p.data(), pk.v_pairs(it.seq, it.g, kt, d), alpha + r, w.o.data() + r * d, d);
+      if (see(w.pos.data() + r, nr, k0, n_keys, w.valid.data() + r) > 0) live.push_back(r);
+    }
+    if (live.empty()) continue;
+    const c10::BFloat16 *kp = pk.k_pairs(it.seq, it.g, kt, d), *vp = pk.v_pairs(it.seq, it.g, kt, d);
+    scores(live[0], kp, w.s.data());
+    for (size_t i = 0; i < live.size(); ++i) {
+      const int64_t r = live[i];
+      // The next block's Q K^T is issued before this block's softmax, which the vector units
+      // run while the tiles compute it: tile registers are not renamed, so in the other order
+      // each block's tile work would wait for the last block's softmax and P V.
+      if (i + 1 < live.size()) scores(live[i + 1], kp, w.s.data() + ((i + 1) % 2) * kBlock);
+      // P is rounded to bf16 (2^-9): the exp2 fit to 7.5e-5 serves (attention_tiles.h).
+      splitphase_tiles::softmax_rows<3>(w.s.data() + (i % 2) * kBlock, p.data(), amx::kRows,
+                                        w.valid.data() + r, ir.c, m + r, alpha + r, l + 16 * r);
+      amx::add_values(p.data(), vp, alpha + r, w.o.data() + r * d, d);
     }
   }
   store_rows(s, it, ir, w.o.data(), l);
