@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import packed_gemms, packed_linear
+from splitphase.kernels import gemm_choice, packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.perf.peaks import model_matmul_shapes
 from splitphase.perf.timing import best_s
@@ -36,18 +36,24 @@ def main() -> None:
           f"the probe picks {packed_linear.backend_for(dtype)}")
     print(" rows  weight        torch  " + "  ".join(f"{n:>7s}" for n in names))
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad(), packed_linear.switched(True):
+    # The packed form always: the model's per-shape choice would hand some shapes to torch's
+    # linear and the column would time nothing.
+    with torch.no_grad(), packed_linear.switched(True), gemm_choice.forced("packed"):
         for rows in args.rows:
             for out_f, in_f in model_matmul_shapes(cfg):
                 x = torch.randn(rows, in_f, generator=g).to(dtype)
                 w = torch.randn(out_f, in_f, generator=g).to(dtype)
                 flops = 2 * rows * in_f * out_f
-                rates = [flops / best_s(partial(F.linear, x, w), args.repeats) / 1e9]
+                torch_s = best_s(partial(F.linear, x, w), args.repeats)
+                rates: list[float | None] = [flops / torch_s / 1e9]
                 for name in names:
                     with packed_linear.using_backend(name):
                         run = partial(packed_linear.linear, x, w, packed_linear.PackedWeight())
-                        rates.append(flops / best_s(run, args.repeats) / 1e9)
-                print(f"{rows:5d}  {out_f:5d}x{in_f:<5d} " + "  ".join(f"{r:7.1f}" for r in rates))
+                        # None: under its rows (`min_rows`) this backend does not take the call
+                        rates.append(None if run() is None
+                                     else flops / best_s(run, args.repeats) / 1e9)
+                print(f"{rows:5d}  {out_f:5d}x{in_f:<5d} "
+                      + "  ".join("      -" if r is None else f"{r:7.1f}" for r in rates))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from splitphase.hardware.calibrate import cpu_model_name
+from splitphase.hardware.cpuinfo import cpu_model_name
 from splitphase.hardware.memory import keep_freed_memory
 from splitphase.kernels import amx, build, gemm_choice, packed_linear, prefill_attention, skinny
 from splitphase.model import compiled

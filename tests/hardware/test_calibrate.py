@@ -108,8 +108,8 @@ def test_corrupt_cache_is_a_miss_and_price_is_the_callers(
 def test_cache_key_separates_threads_and_versions(cache: Path) -> None:
     key = cal._cache_key()
     assert key["cpu"] == cal.cpu_model_name()
-    other = {**key, "threads": key["threads"] + 1}
-    assert cal._cache_path(key, True) != cal._cache_path(other, True)
+    for other in ({**key, "threads": key["threads"] + 1}, {**key, "cpu_signature": "other"}):
+        assert cal._cache_path(key, True) != cal._cache_path(other, True)
     assert cal._cache_path(key, True).parent == cache
 
 

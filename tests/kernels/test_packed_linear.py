@@ -85,12 +85,17 @@ def test_the_environment_names_the_packed_gemm_or_the_probe_picks_one():
     assert "must be auto, mkl or onednn" in _backend_in_child("cublas")[1]
 
 
-def test_auto_takes_onednn_only_when_clearly_faster_than_mkl():
+def test_auto_leaves_the_vendors_backend_only_for_one_clearly_faster():
     margin = packed_linear.PROBE_MARGIN
-    assert packed_linear.pick({"mkl": 1.0, "onednn": 0.5}) == "onednn"  # AVX2 MKL on AMD
-    assert packed_linear.pick({"mkl": 1.0, "onednn": margin * 1.01}) == "mkl"  # about level
-    assert packed_linear.pick({"mkl": 1.0, "onednn": 2.0}) == "mkl"
-    assert packed_linear.pick({"onednn": 3.0}) == "onednn"  # the only one this torch has
+    intel, amd = "GenuineIntel", "AuthenticAMD"
+    assert packed_linear.pick({"mkl": 1.0, "onednn": 0.5}, intel) == "onednn"
+    assert packed_linear.pick({"mkl": 1.0, "onednn": margin * 1.01}, intel) == "mkl"  # about level
+    assert packed_linear.pick({"mkl": 1.0, "onednn": 2.0}, intel) == "mkl"
+    # MKL runs its AVX2 code off Intel: oneDNN's stays unless MKL's is clearly faster
+    assert packed_linear.pick({"mkl": 1.0, "onednn": 1.0 / 0.85}, amd) == "onednn"  # Zen 4
+    assert packed_linear.pick({"mkl": margin * 0.99, "onednn": 1.0}, amd) == "mkl"
+    assert packed_linear.pick({"onednn": 3.0}, intel) == "onednn"  # the only one this torch has
+    assert packed_linear.pick({"mkl": 3.0}, amd) == "mkl"
 
 
 @needs_packed

@@ -11,13 +11,13 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from splitphase.hardware.cpuinfo import cpu_model_name, cpu_signature
 from splitphase.hardware.specs import HardwareSpec
 
 # Assumption, not a measurement: a typical 2-vCPU general-purpose cloud VM on demand
@@ -36,22 +36,12 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "splitphase"
 
 
-def cpu_model_name() -> str:
-    """The CPU model from /proc/cpuinfo (falls back to `platform.processor()`)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
-
-
 def _cache_key() -> dict[str, Any]:
     import torch
 
     return {
         "cpu": cpu_model_name(),
+        "cpu_signature": cpu_signature(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

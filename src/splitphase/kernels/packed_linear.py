@@ -28,10 +28,12 @@ Which packed GEMM depends on the CPU, so a process picks one (`backend()`): MKL'
 it gets on the Intel hosts it was measured on, where oneDNN's (`mkldnn._reorder_linear_weight`
 / `_linear_pointwise`) was no faster; on an AMD Zen 5 host MKL runs its AVX2 code while oneDNN
 uses AVX-512 (`bench/packed_gemm.py`: 2 threads, base-125m's shapes at 64-2048 rows, oneDNN
-358-506 GFLOP/s against MKL's 138-220; its packed copy is also the weight's size, not ~2.2x).
-`SPLITPHASE_PACKED_GEMM` says which: `auto` (the default) times one GEMM each way on first use
-(`PROBE_ROUNDS` turns) and takes oneDNN only when it is clearly faster (`PROBE_MARGIN`); `mkl`
-or `onednn` forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for
+358-506 GFLOP/s against MKL's 138-220; its packed copy is also the weight's size, not ~2.2x),
+and on an AMD Zen 4 host oneDNN is still 10-70% faster (at 32-512 rows 208-220 GFLOP/s against
+MKL's 121-195). `SPLITPHASE_PACKED_GEMM` says which: `auto` (the default) times one GEMM each
+way on first use (`PROBE_ROUNDS` turns) and keeps the one the CPU's vendor favours (MKL's on
+Intel, else oneDNN's) unless the other is clearly faster (`PROBE_MARGIN`); `mkl` or `onednn`
+forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for
 bit (a different microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has
 no bf16): on the AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every
 shape, the results bit-identical.
@@ -49,6 +51,7 @@ from typing import Any
 import torch
 
 from splitphase.errors import UserError
+from splitphase.hardware.cpuinfo import cpu_vendor
 from splitphase.hardware.memory import available_host_memory_bytes
 from splitphase.kernels import amx, gemm_choice
 from splitphase.kernels.packed_gemms import GEMMS, HAVE
@@ -114,11 +117,16 @@ class _Budget:
 _BUDGET = _Budget(limited=_MODE == "auto")
 
 
-# Under `auto`, oneDNN only when its probe GEMM takes under this share of MKL's time: where
-# the two are close (Intel), MKL's stays, as measured there over many runs. At 0.9, with one
-# timing each, a slow spell in MKL's turn picked oneDNN on the Intel host in one process of
-# six (its best 1.96 ms against 1.76; the next pair 1.85 and 1.64), and with it decode's early
-# hand-over: a batch-8 fp32 step 33.1 ms against 26.2. On the AMD host oneDNN took 0.4x.
+# Under `auto`, the probe must find the other backend clearly faster to leave the one this
+# CPU's vendor favours: MKL's on Intel, where it runs its AVX-512 code; oneDNN's elsewhere, where
+# MKL runs its AVX2 code. On the Intel host, with one timing each and a margin of 0.9, a slow
+# spell in MKL's turn picked oneDNN in one process of six (its best 1.96 ms against 1.76; the
+# next pair 1.85 and 1.64), and with it decode's early hand-over: a batch-8 fp32 step 33.1 ms
+# against 26.2. On the AMD Zen 5 host oneDNN took 0.4x MKL's time; on the AMD Zen 4 host
+# (AVX-512 on 256-bit units, so MKL's AVX2 code comes closer) 0.84-0.85x in three processes,
+# where MKL's prefill of 512 tokens reached 79% of the fp32 peak against oneDNN's 92%, and
+# the engine at 32 concurrent requests 4.8x its one-request rate against 6.6x
+# (bench/phase_limits.py, each forced with SPLITPHASE_PACKED_GEMM).
 PROBE_MARGIN = 0.75
 PROBE_ROUNDS = 3  # each backend timed this many times, alternating; best of each
 PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out: ~0.5 GFLOP, a few ms a call
@@ -164,11 +172,18 @@ def _probe_all(names: list[str]) -> dict[str, float]:
     return best
 
 
-def pick(seconds: dict[str, float]) -> str:
-    """The backend `auto` takes given each one's probe time: MKL's unless oneDNN's is clearly
-    faster, the only one where one is missing."""
+def favoured(vendor: str) -> str:
+    """The backend `auto` keeps unless the other is clearly faster: MKL's on an Intel CPU."""
+    return "mkl" if vendor == "GenuineIntel" else "onednn"
+
+
+def pick(seconds: dict[str, float], vendor: str = "GenuineIntel") -> str:
+    """The backend `auto` takes given each one's probe time: the one `favoured` for this
+    CPU's vendor unless the other's is clearly faster, the only one where one is missing."""
     if "mkl" in seconds and "onednn" in seconds:
-        return "onednn" if seconds["onednn"] < PROBE_MARGIN * seconds["mkl"] else "mkl"
+        keep = favoured(vendor)
+        other = "onednn" if keep == "mkl" else "mkl"
+        return other if seconds[other] < PROBE_MARGIN * seconds[keep] else keep
     return next(iter(seconds))
 
 
@@ -178,7 +193,7 @@ def backend() -> str | None:
     global _chosen
     if _chosen is None:
         have = backends()
-        _chosen = pick(_probe_all(have)) if have else None
+        _chosen = pick(_probe_all(have), cpu_vendor()) if have else None
     return _chosen
 
 

@@ -1,0 +1,50 @@
+"""Which CPU this is, from /proc/cpuinfo: its model name, vendor and family/model numbers.
+
+Cloud VMs often report a bare model name ("AMD EPYC" on both a Zen 4 and a Zen 5 host), so a
+cache keyed by the name alone would serve one host's peaks to the other; the family and model
+numbers tell them apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+
+def first_processor(text: str) -> dict[str, str]:
+    """The first processor's fields of a /proc/cpuinfo text, by lower-case name."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block ends here
+            continue
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip().lower(), value.strip())
+    return fields
+
+
+@functools.cache
+def _first_cpu() -> dict[str, str]:
+    try:
+        return first_processor(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return {}
+
+
+def cpu_model_name() -> str:
+    """The CPU model from /proc/cpuinfo (falls back to `platform.processor()`)."""
+    return (_first_cpu().get("model name") or platform.processor() or platform.machine()
+            or "unknown-cpu")
+
+
+def cpu_vendor() -> str:
+    """The vendor string ("GenuineIntel", "AuthenticAMD"), "" where it is not known."""
+    return _first_cpu().get("vendor_id", "")
+
+
+def cpu_signature() -> str:
+    """Vendor, family and model ("AuthenticAMD 25/17"): the same name may cover several."""
+    cpu = _first_cpu()
+    return f"{cpu_vendor()} {cpu.get('cpu family', '?')}/{cpu.get('model', '?')}"

@@ -1,0 +1,30 @@
+from splitphase.hardware import cpuinfo
+
+_TWO_CPUS = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: other
+"""
+
+
+def test_the_first_processor_block_is_read_alone() -> None:
+    cpu = cpuinfo.first_processor(_TWO_CPUS)
+    assert cpu["vendor_id"] == "AuthenticAMD" and cpu["model name"] == "AMD EPYC"
+    assert (cpu["cpu family"], cpu["model"]) == ("25", "17")
+    assert cpuinfo.first_processor("") == {}
+
+
+def test_the_signature_tells_apart_cpus_of_one_name(monkeypatch) -> None:
+    zen4 = cpuinfo.first_processor(_TWO_CPUS)
+    monkeypatch.setattr(cpuinfo, "_first_cpu", lambda: zen4)
+    assert cpuinfo.cpu_signature() == "AuthenticAMD 25/17"
+    assert cpuinfo.cpu_vendor() == "AuthenticAMD" and cpuinfo.cpu_model_name() == "AMD EPYC"
+    monkeypatch.setattr(cpuinfo, "_first_cpu", lambda: {**zen4, "model": "2"})  # Zen 5
+    assert cpuinfo.cpu_signature() == "AuthenticAMD 25/2" and cpuinfo.cpu_model_name() == "AMD EPYC"
+    monkeypatch.setattr(cpuinfo, "_first_cpu", dict)  # no /proc/cpuinfo
+    assert cpuinfo.cpu_model_name() and cpuinfo.cpu_vendor() == ""
