@@ -8,7 +8,8 @@ engine at 32 concurrent requests against one, and the effect of the native decod
 Figures are the best of several runs (see splitphase.perf.timing); ratios come from this
 run. Where the host's memory speed moves between minutes, two figures are also taken in
 alternating bursts with their yardstick, in one process: the batch-1 step against a triad
-pass (`decode_bw_fraction_b1_interleaved`) and against llama.cpp's step
+pass (`decode_bw_fraction_b1_interleaved`), against a read-only pass (a sum: the step's own
+kind of traffic, `decode_read_fraction_b1_interleaved`) and against llama.cpp's step
 (`speedup_vs_llamacpp_decode_b1_interleaved`), the first prefill against the model's gate/up
 GEMM at its row count (`prefill_flops_fraction_512_interleaved`: the peak, the best of many
 shapes and rounds, catches the fastest spell of the run, a few prefills may not). Nothing
@@ -40,7 +41,13 @@ from splitphase.model.transformer import Transformer
 from splitphase.perf.batching import engine_output_tok_per_s
 from splitphase.perf.hf_baseline import hf_llama, time_hf
 from splitphase.perf.llamacpp_baseline import llama_cpp_module, time_llamacpp
-from splitphase.perf.peaks import gemm_pass, measure_peaks, prefill_gemm_ceiling, triad_pass
+from splitphase.perf.peaks import (
+    gemm_pass,
+    measure_peaks,
+    prefill_gemm_ceiling,
+    read_pass,
+    triad_pass,
+)
 from splitphase.perf.timing import (
     decode_step_fn,
     interleaved_best_s,
@@ -105,16 +112,20 @@ def _ours_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any]:
                 }
         finally:
             skinny.set_enabled(True)
-    # The step and a triad pass in alternating bursts: on a host whose memory speed moves
-    # between minutes, the peaks measured before the step are not the machine it met.
-    triad, triad_bytes = triad_pass(model.device, 32 if args.quick else 256)
+    # The step, a triad pass and a read-only pass in alternating bursts: on a host whose memory
+    # speed moves between minutes, the peaks measured before the step are not the machine it met.
+    mib = 32 if args.quick else 256
+    (triad, triad_bytes), (read, read_bytes) = triad_pass(model.device, mib), read_pass(
+        model.device, 3 * mib)
     both = interleaved_best_s(
-        {"step": decode_step_fn(model, 1, args.context), "triad": triad}, max(1, args.steps // 4)
+        {"step": decode_step_fn(model, 1, args.context), "triad": triad, "read": read},
+        max(1, args.steps // 4),
     )
     out["interleaved_b1_triad"] = {
-        "step_s": both["step"], "triad_pass_s": both["triad"], "triad_bytes_per_pass": triad_bytes
+        "step_s": both["step"], "triad_pass_s": both["triad"], "triad_bytes_per_pass": triad_bytes,
+        "read_pass_s": both["read"], "read_bytes_per_pass": read_bytes,
     }
-    del triad
+    del triad, read
     out["decode_overhead_s_b1"] = time_step_overhead(
         model.cfg, args.context, args.steps, model.device
     )
@@ -178,7 +189,9 @@ def _derive(raw: dict[str, Any], peaks: dict[str, float], dtype: str, cfg: Model
         p["flops_fraction"] = p["prefill_flops"] / p["prefill_s"] * p["gemm_s"] / p["gemm_flops"]
     w = out["interleaved_b1_triad"]
     w["triad_bytes_per_s"] = w["triad_bytes_per_pass"] / w["triad_pass_s"]
+    w["read_bytes_per_s"] = w["read_bytes_per_pass"] / w["read_pass_s"]
     w["bw_fraction"] = out["decode_b1"]["bytes_per_step"] / w["step_s"] / w["triad_bytes_per_s"]
+    w["read_fraction"] = out["decode_b1"]["bytes_per_step"] / w["step_s"] / w["read_bytes_per_s"]
     return out
 
 
@@ -290,6 +303,7 @@ def _summary(results: dict, primary: str) -> dict[str, Any]:
         "primary_dtype": primary,
         "decode_bw_fraction_b1": r["ours"]["decode_b1"]["bw_fraction"],
         "decode_bw_fraction_b1_interleaved": r["ours"]["interleaved_b1_triad"]["bw_fraction"],
+        "decode_read_fraction_b1_interleaved": r["ours"]["interleaved_b1_triad"]["read_fraction"],
         "decode_bw_fraction_b8": r["ours"]["decode_b8"]["bw_fraction"],
         "prefill_flops_fraction_512": r["ours"][f"prefill_{n}"]["flops_fraction"],
         "prefill_gemm_ceiling_fraction_512": r["ours"][f"prefill_{n}"].get("gemm_ceiling_fraction"),
@@ -312,7 +326,7 @@ def _print_table(results: dict) -> None:
           + ", ".join(f"{k.rsplit('_', 1)[-1]} {v / 1e9:.0f} GFLOP/s"
                       for k, v in peaks.items() if k.startswith("matmul_model")))
     n = results["prefill_lengths"][0]
-    head = ("dtype", "dec b1 tok/s", "b1 %BW (interleaved)", "dec b8 tok/s", "b8 %BW",
+    head = ("dtype", "dec b1 tok/s", "b1 %BW (interleaved triad, read)", "dec b8 tok/s", "b8 %BW",
             f"pf{n} %peak", "vs HF dec", f"vs HF pf{n}", "vs llama.cpp dec (interleaved)",
             "kernel x")
     print(" | ".join(head))
@@ -322,7 +336,8 @@ def _print_table(results: dict) -> None:
             name,
             f"{o['decode_b1']['tok_per_s']:.1f}",
             f"{100 * o['decode_b1']['bw_fraction']:.0f}% "
-            f"({100 * o['interleaved_b1_triad']['bw_fraction']:.0f}%)",
+            f"({100 * o['interleaved_b1_triad']['bw_fraction']:.0f}%, "
+            f"{100 * o['interleaved_b1_triad']['read_fraction']:.0f}%)",
             f"{o['decode_b8']['tok_per_s']:.1f}",
             f"{100 * o['decode_b8']['bw_fraction']:.0f}%",
             f"{100 * o[f'prefill_{n}']['flops_fraction']:.0f}%",

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = [
     "decode_bw_fraction_b1",
     "decode_bw_fraction_b1_interleaved",
+    "decode_read_fraction_b1_interleaved",
     "decode_bw_fraction_b8",
     "prefill_flops_fraction_512",
     "prefill_gemm_ceiling_fraction_512",
@@ -61,6 +62,10 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
         paired = ours["interleaved_b1_triad"]  # the step and a triad pass in alternation
         assert paired["bw_fraction"] == pytest.approx(
             ours["decode_b1"]["bytes_per_step"] / paired["step_s"] / paired["triad_bytes_per_s"]
+        )
+        assert paired["read_fraction"] == pytest.approx(  # and a read-only pass
+            ours["decode_b1"]["bytes_per_step"] / paired["step_s"]
+            / (paired["read_bytes_per_pass"] / paired["read_pass_s"])
         )
     assert data["speedup_vs_transformers_decode_b1"] > 0  # transformers is a dev dependency
     # llama.cpp is optional (`make bench`): a ratio when installed, else a stated reason.

@@ -137,6 +137,15 @@ def triad_pass(device: torch.device, mib_per_array: int) -> tuple[Callable[[], o
     return partial(torch.add, b, c, alpha=3.0, out=a), 3 * n * 4
 
 
+def read_pass(device: torch.device, mib: int) -> tuple[Callable[[], object], int]:
+    """One read-only pass (the sum of an fp32 array) on `device`, and the bytes it reads: the
+    traffic of a batch-1 decode step's weight stream, with no write. On the AMD Zen 4 host it
+    read 0.75-1.0x of the triad's bytes per second, so the triad alone can overstate what any
+    step can move."""
+    x = torch.rand(mib * 2**20 // 4, device=device)
+    return x.sum, x.numel() * 4
+
+
 def triad_bytes_per_s(device: torch.device, mib_per_array: int, repeats: int) -> float:
     """STREAM triad a = b + 3c in fp32 on `device`; 3 arrays of traffic per pass."""
     if device.type == "cpu":
