@@ -139,9 +139,9 @@ def triad_pass(device: torch.device, mib_per_array: int) -> tuple[Callable[[], o
 
 def read_pass(device: torch.device, mib: int) -> tuple[Callable[[], object], int]:
     """One read-only pass (the sum of an fp32 array) on `device`, and the bytes it reads: the
-    traffic of a batch-1 decode step's weight stream, with no write. On the AMD Zen 4 host it
-    read 0.75-1.0x of the triad's bytes per second, so the triad alone can overstate what any
-    step can move."""
+    traffic of a batch-1 decode step's weight stream, with no write. On the AMD Zen 4 host a
+    sum read 0.75-1.0x the triad's bytes per second in a script outside the repo and 0.94-1.04x
+    in phase_limits' bursts: the triad is not always what a read can reach."""
     x = torch.rand(mib * 2**20 // 4, device=device)
     return x.sum, x.numel() * 4
 
