@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     cfg = ModelConfig.from_name(args.preset)
-    names = [n for n in packed_linear.backends() if dtype in packed_gemms.GEMMS[n].dtypes]
+    names = [n for n in packed_linear.backends() if packed_gemms.takes(n, dtype)]
     print(f"{args.preset} {args.dtype}, {torch.get_num_threads()} threads, GFLOP/s; "
           f"the probe picks {packed_linear.backend_for(dtype)}")
     print(" rows  weight        torch  " + "  ".join(f"{n:>7s}" for n in names))

@@ -26,7 +26,7 @@ def test_packed_gemm_prints_a_rate_per_shape_and_backend() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.lstrip().startswith("32 ")]
     assert len(rows) == 5  # tiny's distinct weight shapes, the head included
-    names = [n for n in packed_linear.backends() if torch.float32 in packed_gemms.GEMMS[n].dtypes]
+    names = [n for n in packed_linear.backends() if packed_gemms.takes(n, torch.float32)]
     assert all(len(r) == 3 + len(names) and all(float(v) > 0 for v in r[2:]) for r in rows)
 
 

@@ -288,7 +288,38 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-@needs_onednn
+needs_onednn_bf16 = pytest.mark.skipif(
+    not packed_gemms.takes("onednn", torch.bfloat16),
+    reason="no oneDNN bf16 packed GEMM here (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
+)
+
+
+def test_a_gemm_that_raises_on_a_dtype_does_not_take_it(monkeypatch) -> None:
+    def refuse(w: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("bf16 path needs the cpu support avx512bw")
+
+    real = packed_gemms.GEMMS["onednn"]
+    monkeypatch.setitem(packed_gemms.GEMMS, "onednn", real._replace(pack=refuse))
+    monkeypatch.setattr(packed_gemms, "HAVE", ("onednn",))
+    assert not packed_gemms.takes.__wrapped__("onednn", torch.bfloat16)
+    assert not packed_gemms.takes.__wrapped__("onednn", torch.float16)  # not listed
+    monkeypatch.setitem(packed_gemms.GEMMS, "onednn", real)
+    if "onednn" in packed_linear.backends():
+        assert packed_gemms.takes.__wrapped__("onednn", torch.float32)
+
+
+@pytest.mark.skipif(packed_gemms.takes("onednn", torch.bfloat16), reason="bf16 packs here")
+def test_without_a_bf16_packed_gemm_bf16_linears_keep_torchs() -> None:
+    w = torch.randn(96, 768).bfloat16()
+    x = torch.randn(512, 768).bfloat16()
+    assert packed_linear.backend_for(torch.bfloat16) is None
+    assert packed_linear.linear(x, w, packed_linear.PackedWeight()) is None
+    model = Transformer(ModelConfig.from_name("tiny").with_(dtype="bfloat16")).eval()
+    logits, _ = model.prefill(torch.randint(0, model.cfg.vocab_size, (2, 70)))
+    assert torch.isfinite(logits.float()).all()
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("fp32_gemm", packed_linear.backends())
 def test_bf16_packs_with_onednn_whatever_fp32_took(fp32_gemm: str) -> None:
     g = torch.Generator().manual_seed(4)
@@ -304,7 +335,7 @@ def test_bf16_packs_with_onednn_whatever_fp32_took(fp32_gemm: str) -> None:
     assert pack._plain is None and pack.nbytes == w.numel() * 2
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_bf16_model_prefill_matches_torch_linears() -> None:
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name("tiny").with_(dtype="bfloat16")).eval()

@@ -89,7 +89,7 @@ def _packed_products(x: Any, w: Any) -> list[Callable[[], object]]:
     products: list[Callable[[], object]] = []
     for name in packed_linear.backends():
         gemm = packed_gemms.GEMMS[name]
-        if x.dtype in gemm.dtypes:
+        if packed_gemms.takes(name, x.dtype):
             products.append(functools.partial(gemm.run, x, gemm.pack(w), w, x.shape[0]))
     return products
 

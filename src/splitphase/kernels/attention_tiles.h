@@ -185,7 +185,7 @@ inline void qk_block(const float* q, int64_t ldq, const float* kt, int64_t d, fl
     float* sr = s + r * kKTile;
     for (int64_t c = 0; c < 16 * NK; ++c) sr[c] = 0.f;
     for (int64_t i = 0; i < d; ++i)
-      for (int64_t c = 0; c < 16 * NK; ++c) sr[c] += q[r * ldq + i] * kt[i * kKTile + c];
+      for (int64_t c = 0; c < 16 * NK; ++c) sr[c] = std::fma(q[r * ldq + i], kt[i * kKTile + c], sr[c]);
   }
 }
 
@@ -196,7 +196,7 @@ inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, con
     float* orow = o + r * d + col;
     for (int64_t c = 0; c < 16 * NV; ++c) orow[c] *= alpha[r];
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t c = 0; c < 16 * NV; ++c) orow[c] += p[r * kKTile + j] * v[j * d + col + c];
+      for (int64_t c = 0; c < 16 * NV; ++c) orow[c] = std::fma(p[r * kKTile + j], v[j * d + col + c], orow[c]);
   }
 }
 
@@ -210,7 +210,7 @@ inline void softmax_rows(const float* s, P* p, int nr, const int64_t* valid, flo
     alpha[r] = std::exp2(m[r] - m_new);
     m[r] = m_new;
     for (int64_t j = 0; j < kKTile; ++j) {
-      const float e = j < valid[r] ? std::exp2(sr[j] * c - m_new) : 0.f;
+      const float e = j < valid[r] ? std::exp2(std::fma(sr[j], c, -m_new)) : 0.f;
       p[r * kKTile + j] = static_cast<P>(e);
       sum += e;
     }

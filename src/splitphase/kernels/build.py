@@ -24,7 +24,8 @@ SOURCES = [HERE / n for n in (
     "skinny_linear.cpp", "decode_attention.cpp", "norm_rope.cpp", "silu_mul.cpp",
     "decode_stack.cpp", "prefill_attention.cpp",
 )]
-HEADERS = [HERE / "simd.h", HERE / "pool.h", HERE / "ops.h", HERE / "attention_tiles.h",
+HEADERS = [HERE / "simd.h", HERE / "simd_avx2.h", HERE / "pool.h", HERE / "ops.h",
+           HERE / "attention_tiles.h",
            HERE / "amx_tiles.h", HERE / "attention_amx.h", HERE / "attention_kv.h"]
 _NAME = "splitphase_kernels"
 

@@ -18,84 +18,88 @@
 #include "ops.h"
 #include "pool.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SPLITPHASE_AVX512 1
 #include "simd.h"
-#endif
 
 namespace {
 
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_SIMD
+using splitphase_simd::add;
+using splitphase_simd::fmadd;
 using splitphase_simd::load16;
 using splitphase_simd::load_tail;
+using splitphase_simd::set1;
+using splitphase_simd::store16;
+using splitphase_simd::vf;
+using splitphase_simd::zero;
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
-  __m512 a = _mm512_setzero_ps();
+  vf a = zero();
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a);
-  if (i < d) a = _mm512_fmadd_ps(load_tail(q + i, d - i), load_tail(k + i, d - i), a);
-  return _mm512_reduce_add_ps(a);
+  for (; i + 16 <= d; i += 16) a = fmadd(load16(q + i), load16(k + i), a);
+  if (i < d) a = fmadd(load_tail(q + i, d - i), load_tail(k + i, d - i), a);
+  return splitphase_simd::reduce_add(a);
 }
 
 // out[j] = dot(q, k[j]) for four keys: one transpose-and-add reduction for all four (a
 // horizontal sum per key cost as much as the multiply-adds at head_dim 64).
 template <typename T>
 inline void dot4(const float* q, const T* const* k, int64_t d, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  vf a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    __m512 qv = _mm512_loadu_ps(q + i);
-    a0 = _mm512_fmadd_ps(qv, load16(k[0] + i), a0);
-    a1 = _mm512_fmadd_ps(qv, load16(k[1] + i), a1);
-    a2 = _mm512_fmadd_ps(qv, load16(k[2] + i), a2);
-    a3 = _mm512_fmadd_ps(qv, load16(k[3] + i), a3);
+    vf qv = load16(q + i);
+    a0 = fmadd(qv, load16(k[0] + i), a0);
+    a1 = fmadd(qv, load16(k[1] + i), a1);
+    a2 = fmadd(qv, load16(k[2] + i), a2);
+    a3 = fmadd(qv, load16(k[3] + i), a3);
   }
   if (i < d) {
-    __m512 qv = load_tail(q + i, d - i);
-    a0 = _mm512_fmadd_ps(qv, load_tail(k[0] + i, d - i), a0);
-    a1 = _mm512_fmadd_ps(qv, load_tail(k[1] + i, d - i), a1);
-    a2 = _mm512_fmadd_ps(qv, load_tail(k[2] + i, d - i), a2);
-    a3 = _mm512_fmadd_ps(qv, load_tail(k[3] + i, d - i), a3);
+    vf qv = load_tail(q + i, d - i);
+    a0 = fmadd(qv, load_tail(k[0] + i, d - i), a0);
+    a1 = fmadd(qv, load_tail(k[1] + i, d - i), a1);
+    a2 = fmadd(qv, load_tail(k[2] + i, d - i), a2);
+    a3 = fmadd(qv, load_tail(k[3] + i, d - i), a3);
   }
   splitphase_simd::reduce4(a0, a1, a2, a3, out);
 }
 
 // p[t] = exp(p[t] - m) for t < n; returns their sum. 16 lanes at a time (the scalar expf was
-// a tenth of a batch-8 step at context 512).
+// a tenth of a batch-8 step at context 512); the tail's lanes past n, reloaded as zeros, add
+// nothing.
 inline float exp_shifted(float* p, int64_t n, float m) {
-  __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    __mmask16 mask = n - t >= 16 ? static_cast<__mmask16>(0xffff)
-                                 : splitphase_simd::tail_mask(n - t);
-    __m512 e = splitphase_simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p + t), mv));
-    e = _mm512_maskz_mov_ps(mask, e);
-    _mm512_mask_storeu_ps(p + t, mask, e);
-    sum = _mm512_add_ps(sum, e);
+  vf mv = set1(m), sum = zero();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    vf e = splitphase_simd::exp16(splitphase_simd::sub(load16(p + t), mv));
+    store16(p + t, e);
+    sum = add(sum, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  if (t < n) {
+    splitphase_simd::store_tail(
+        p + t, splitphase_simd::exp16(splitphase_simd::sub(load_tail(p + t, n - t), mv)), n - t);
+    sum = add(sum, load_tail(p + t, n - t));
+  }
+  return splitphase_simd::reduce_add(sum);
 }
 
 // max(p[0:n]), 16 lanes at a time (a scalar max is a chain of dependent instructions: a fifth
 // of a batch-8 call at context 512). Exact: a maximum does not depend on the order.
 inline float max_of(const float* p, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < n; t += 16) {
-    __mmask16 mask = n - t >= 16 ? static_cast<__mmask16>(0xffff)
-                                 : splitphase_simd::tail_mask(n - t);
-    mx = _mm512_mask_max_ps(mx, mask, mx, _mm512_maskz_loadu_ps(mask, p + t));
-  }
-  return _mm512_reduce_max_ps(mx);
+  vf mx = set1(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) mx = splitphase_simd::max(mx, load16(p + t));
+  float m = splitphase_simd::reduce_max(mx);
+  for (; t < n; ++t) m = std::max(m, p[t]);
+  return m;
 }
 
 // o[:d] += w * v[:d]
 template <typename T>
 inline void axpy(float w, const T* v, float* o, int64_t d) {
-  __m512 wv = _mm512_set1_ps(w);
+  vf wv = set1(w);
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, load16(v + i), _mm512_loadu_ps(o + i)));
-  }
+  for (; i + 16 <= d; i += 16) store16(o + i, fmadd(wv, load16(v + i), load16(o + i)));
   for (; i < d; ++i) o[i] += w * static_cast<float>(v[i]);
 }
 
@@ -105,22 +109,23 @@ inline void axpy(float w, const T* v, float* o, int64_t d) {
 // result is identical.
 template <int H, int NV, typename T, typename ValueRow>
 inline void pv_regs(const float* p, int64_t len, ValueRow value, float* out, int64_t d) {
-  __m512 acc[H][NV];
+  vf acc[H][NV];
   for (int h = 0; h < H; ++h)
-    for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c) acc[h][c] = zero();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = value(t);
-    __m512 vv[NV];
+    vf vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
     for (int h = 0; h < H; ++h) {
-      __m512 pb = _mm512_set1_ps(p[h * len + t]);
-      for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
+      vf pb = set1(p[h * len + t]);
+      for (int c = 0; c < NV; ++c) acc[h][c] = fmadd(pb, vv[c], acc[h][c]);
     }
   }
   for (int h = 0; h < H; ++h)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * d + 16 * c, acc[h][c]);
+    for (int c = 0; c < NV; ++c) store16(out + h * d + 16 * c, acc[h][c]);
 }
 
+#if SPLITPHASE_AVX512
 // pv_regs for `heads` (1-4) heads and d = 16 * nv (nv 1-8) where the accumulators and one value
 // row fit the 32 registers; false where they do not (the caller walks with axpy).
 template <typename T, typename ValueRow>
@@ -140,6 +145,33 @@ inline bool pv_in_registers(int64_t heads, int64_t d, const float* p, int64_t le
 #undef SPLITPHASE_PV
   return false;
 }
+#else
+// pv_regs over d in column strips of 16 * NV where `heads` (1-4) heads' accumulators fit 12 of
+// the 16 ymm registers (two a vector): each strip walks the value rows again (from cache), and
+// every output element still sums its keys in order, as axpy would.
+template <typename T, typename ValueRow>
+inline bool pv_in_registers(int64_t heads, int64_t d, const float* p, int64_t len,
+                            ValueRow value, float* out) {
+  if (d % 16 != 0 || heads < 1 || heads > 4) return false;
+  const int64_t nv = d / 16;
+  const int64_t strip = heads == 1 ? 4 : heads == 2 ? 2 : heads == 3 ? 2 : 1;
+  for (int64_t c0 = 0; c0 < nv; c0 += strip) {
+    auto shifted = [&](int64_t t) { return value(t) + 16 * c0; };
+    float* o = out + 16 * c0;
+    const int64_t n = std::min(strip, nv - c0);
+#define SPLITPHASE_PV(H, NV)                                    \
+  if (heads == H && n == NV) {                                  \
+    pv_regs<H, NV, T>(p, len, shifted, o, d);                   \
+    continue;                                                   \
+  }
+    SPLITPHASE_PV(1, 4) SPLITPHASE_PV(1, 3) SPLITPHASE_PV(1, 2) SPLITPHASE_PV(1, 1)
+    SPLITPHASE_PV(2, 2) SPLITPHASE_PV(2, 1) SPLITPHASE_PV(3, 2) SPLITPHASE_PV(3, 1)
+    SPLITPHASE_PV(4, 1)
+#undef SPLITPHASE_PV
+  }
+  return true;
+}
+#endif
 #else
 template <typename T, typename ValueRow>
 inline bool pv_in_registers(int64_t, int64_t, const float*, int64_t, ValueRow, float*) {

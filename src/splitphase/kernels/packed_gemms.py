@@ -4,6 +4,7 @@ counter. `packed_linear` picks one and keeps the packed copies."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -62,6 +63,24 @@ GEMMS: dict[str, Gemm] = {
 
 # Fixed for the process; `packed_linear.usable` asks on every prefill-shaped linear.
 HAVE = tuple(name for name, gemm in GEMMS.items() if gemm.has())
+
+
+@functools.cache
+def takes(name: str, dtype: torch.dtype) -> bool:
+    """Whether packed GEMM `name` multiplies `dtype` on this CPU: listed for it, and a small
+    weight packs and multiplies once. oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and raises on an AVX2-only CPU (the AMD Zen 3 host), where bf16 linears
+    then keep torch's."""
+    gemm = GEMMS[name]
+    if name not in HAVE or dtype not in gemm.dtypes:
+        return False
+    w = torch.ones(16, 16, dtype=dtype)
+    try:
+        with torch.no_grad():
+            gemm.run(torch.ones(PACK_ROWS, 16, dtype=dtype), gemm.pack(w), w, PACK_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _linear_flops(x_shape: Sequence[int], out_features: int) -> int:

@@ -53,7 +53,7 @@ import torch
 from splitphase.errors import UserError
 from splitphase.hardware.cpuinfo import cpu_vendor
 from splitphase.hardware.memory import available_host_memory_bytes
-from splitphase.kernels import amx, gemm_choice
+from splitphase.kernels import amx, gemm_choice, packed_gemms
 from splitphase.kernels.packed_gemms import GEMMS, HAVE
 from splitphase.kernels.switch import Switch, switch_functions
 
@@ -202,7 +202,7 @@ def backend_for(dtype: torch.dtype) -> str | None:
     only one with bf16, whatever fp32 took); None where this torch has none for it."""
     if dtype == torch.float32:
         return backend()
-    return next((n for n in HAVE if dtype in GEMMS[n].dtypes), None)
+    return next((n for n in HAVE if packed_gemms.takes(n, dtype)), None)
 
 
 def min_rows(dtype: torch.dtype) -> int:

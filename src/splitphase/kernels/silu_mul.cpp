@@ -12,17 +12,18 @@
 #include "ops.h"
 #include "pool.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SPLITPHASE_AVX512 1
 #include "simd.h"
-#endif
 
 namespace {
 
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_SIMD
+using splitphase_simd::add;
+using splitphase_simd::mul;
 using splitphase_simd::round_to;
+using splitphase_simd::set1;
 using splitphase_simd::store16;
 using splitphase_simd::store_tail;
+using splitphase_simd::vf;
 
 // Software prefetch this far ahead in g and u: with the hardware prefetcher alone the loads
 // stalled (a pass over 2048 x 3072 took 2.6 ms in fp32 and 3.6 ms in bf16 on two threads of
@@ -32,10 +33,17 @@ constexpr int64_t kPrefetchBytes = 2048;
 // 1 / d from the 14-bit reciprocal estimate and one Newton step, r + r (1 - d r): relative
 // error about 2^-28, under fp32's own rounding. A 16-lane divide cost as much as the rest of
 // an element's work together (exp, the bf16 roundings).
+// silu(g) = g / (1 + exp(-g)) from e = exp(-g).
+#if SPLITPHASE_AVX512
 inline __m512 recip16(__m512 d) {
   const __m512 r = _mm512_rcp14_ps(d);
   return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r);
 }
+inline vf silu(vf g, vf e) { return mul(g, recip16(add(set1(1.f), e))); }
+#else
+// AVX2's estimate has 12 bits (one Newton step: about 2^-22, above fp32's rounding): divide.
+inline vf silu(vf g, vf e) { return splitphase_simd::div(g, add(set1(1.f), e)); }
+#endif
 
 template <typename T>
 void silu_mul_range(const T* g, const T* u, T* y, int64_t begin, int64_t end) {
@@ -43,15 +51,15 @@ void silu_mul_range(const T* g, const T* u, T* y, int64_t begin, int64_t end) {
     _mm_prefetch(reinterpret_cast<const char*>(g + i) + kPrefetchBytes, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(u + i) + kPrefetchBytes, _MM_HINT_T0);
     int64_t n = std::min<int64_t>(16, end - i);
-    __m512 gv = n == 16 ? splitphase_simd::load16(g + i) : splitphase_simd::load_tail(g + i, n);
-    __m512 uv = n == 16 ? splitphase_simd::load16(u + i) : splitphase_simd::load_tail(u + i, n);
-    __m512 e = splitphase_simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    vf gv = n == 16 ? splitphase_simd::load16(g + i) : splitphase_simd::load_tail(g + i, n);
+    vf uv = n == 16 ? splitphase_simd::load16(u + i) : splitphase_simd::load_tail(u + i, n);
+    vf e = splitphase_simd::exp16(splitphase_simd::sub(splitphase_simd::zero(), gv));
     // g / (1 + exp(-g)) * u as torch's silu; bf16 rounds twice there (the silu, the product)
-    __m512 s = round_to(_mm512_mul_ps(gv, recip16(_mm512_add_ps(_mm512_set1_ps(1.f), e))), T());
+    vf s = round_to(silu(gv, e), T());
     if (n == 16) {
-      store16(y + i, _mm512_mul_ps(s, uv));
+      store16(y + i, mul(s, uv));
     } else {
-      store_tail(y + i, _mm512_mul_ps(s, uv), n);
+      store_tail(y + i, mul(s, uv), n);
     }
   }
 }

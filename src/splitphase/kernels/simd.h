@@ -1,13 +1,36 @@
-// AVX-512 pieces shared by the kernels: 16 lanes of fp32 from fp32 or bf16 storage, masked
-// tails, a four-way horizontal sum and exp. Only included where __AVX512F__/BW/VL are
-// defined (-march=native).
+// The vector pieces shared by the kernels: 16 lanes of fp32 (`vf`) from fp32 or bf16 storage,
+// tails, a four-way horizontal sum and exp, on AVX-512 (one zmm) or, on a CPU without it,
+// AVX2 with FMA (two ymm: simd_avx2.h). The build is -march=native, so the building CPU picks.
+// SPLITPHASE_SIMD is defined where either is; code written in the generic names (zero, set1,
+// fmadd, add, ...) runs on both, lane for lane the same operations in the same order.
 #pragma once
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 
 #include <cstdint>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPLITPHASE_AVX512 1
+#define SPLITPHASE_SIMD 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPLITPHASE_AVX2 1
+#define SPLITPHASE_SIMD 1
+#include "simd_avx2.h"
+#endif
+
+#if SPLITPHASE_AVX512
 namespace splitphase_simd {
+
+using vf = __m512;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float v) { return _mm512_set1_ps(v); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -97,3 +120,4 @@ inline __m512 exp16(__m512 x) {
 }
 
 }  // namespace splitphase_simd
+#endif  // SPLITPHASE_AVX512

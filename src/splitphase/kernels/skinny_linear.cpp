@@ -20,10 +20,7 @@
 
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SPLITPHASE_AVX512 1
 #include "simd.h"
-#endif
 
 namespace {
 
@@ -37,30 +34,33 @@ constexpr int64_t kGrainRows = 16;
 // helper that loses its core holds up an eighth of a call, not 1/64.
 constexpr int64_t kChunksPerThread = 4;
 
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_SIMD
+using splitphase_simd::fmadd;
 using splitphase_simd::load16;
 using splitphase_simd::load_tail;
 using splitphase_simd::reduce4;
+using splitphase_simd::vf;
+using splitphase_simd::zero;
 
 // out[r] = dot(w + r * stride, x) for four weight rows and one x row: four memory streams at
 // once (more misses in flight than one row at a time), x loaded once for all four.
 template <typename W, typename X>
 inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  vf a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    __m512 xv = load16(x + i);
-    a0 = _mm512_fmadd_ps(load16(w + i), xv, a0);
-    a1 = _mm512_fmadd_ps(load16(w + stride + i), xv, a1);
-    a2 = _mm512_fmadd_ps(load16(w + 2 * stride + i), xv, a2);
-    a3 = _mm512_fmadd_ps(load16(w + 3 * stride + i), xv, a3);
+    vf xv = load16(x + i);
+    a0 = fmadd(load16(w + i), xv, a0);
+    a1 = fmadd(load16(w + stride + i), xv, a1);
+    a2 = fmadd(load16(w + 2 * stride + i), xv, a2);
+    a3 = fmadd(load16(w + 3 * stride + i), xv, a3);
   }
   if (i < k) {
-    __m512 xv = load_tail(x + i, k - i);
-    a0 = _mm512_fmadd_ps(load_tail(w + i, k - i), xv, a0);
-    a1 = _mm512_fmadd_ps(load_tail(w + stride + i, k - i), xv, a1);
-    a2 = _mm512_fmadd_ps(load_tail(w + 2 * stride + i, k - i), xv, a2);
-    a3 = _mm512_fmadd_ps(load_tail(w + 3 * stride + i, k - i), xv, a3);
+    vf xv = load_tail(x + i, k - i);
+    a0 = fmadd(load_tail(w + i, k - i), xv, a0);
+    a1 = fmadd(load_tail(w + stride + i, k - i), xv, a1);
+    a2 = fmadd(load_tail(w + 2 * stride + i, k - i), xv, a2);
+    a3 = fmadd(load_tail(w + 3 * stride + i, k - i), xv, a3);
   }
   reduce4(a0, a1, a2, a3, out);
 }
@@ -70,21 +70,21 @@ inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float*
 // result does not depend on how many rows share the call: batch-invariant decode.
 template <typename W, typename X>
 inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  vf a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    __m512 wv = load16(w + i);
-    a0 = _mm512_fmadd_ps(wv, load16(x + i), a0);
-    if (nb > 1) a1 = _mm512_fmadd_ps(wv, load16(x + k + i), a1);
-    if (nb > 2) a2 = _mm512_fmadd_ps(wv, load16(x + 2 * k + i), a2);
-    if (nb > 3) a3 = _mm512_fmadd_ps(wv, load16(x + 3 * k + i), a3);
+    vf wv = load16(w + i);
+    a0 = fmadd(wv, load16(x + i), a0);
+    if (nb > 1) a1 = fmadd(wv, load16(x + k + i), a1);
+    if (nb > 2) a2 = fmadd(wv, load16(x + 2 * k + i), a2);
+    if (nb > 3) a3 = fmadd(wv, load16(x + 3 * k + i), a3);
   }
   if (i < k) {
-    __m512 wv = load_tail(w + i, k - i);
-    a0 = _mm512_fmadd_ps(wv, load_tail(x + i, k - i), a0);
-    if (nb > 1) a1 = _mm512_fmadd_ps(wv, load_tail(x + k + i, k - i), a1);
-    if (nb > 2) a2 = _mm512_fmadd_ps(wv, load_tail(x + 2 * k + i, k - i), a2);
-    if (nb > 3) a3 = _mm512_fmadd_ps(wv, load_tail(x + 3 * k + i, k - i), a3);
+    vf wv = load_tail(w + i, k - i);
+    a0 = fmadd(wv, load_tail(x + i, k - i), a0);
+    if (nb > 1) a1 = fmadd(wv, load_tail(x + k + i, k - i), a1);
+    if (nb > 2) a2 = fmadd(wv, load_tail(x + 2 * k + i, k - i), a2);
+    if (nb > 3) a3 = fmadd(wv, load_tail(x + 3 * k + i, k - i), a3);
   }
   float s[4];
   reduce4(a0, a1, a2, a3, s);
@@ -100,9 +100,9 @@ template <typename Step, int NB, bool kAhead>
 inline void dot_4rows_tile(const typename Step::T* w, int64_t stride, const typename Step::T* x,
                            int64_t k, float (*out)[4]) {
   constexpr int64_t kLanes = Step::kLanes;
-  __m512 a[NB][4];
+  vf a[NB][4];
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < 4; ++r) a[b][r] = _mm512_setzero_ps();
+    for (int r = 0; r < 4; ++r) a[b][r] = zero();
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
     typename Step::V wv[4];
@@ -129,6 +129,17 @@ inline void dot_4rows_tile(const typename Step::T* w, int64_t stride, const type
   for (int b = 0; b < NB; ++b) reduce4(a[b][0], a[b][1], a[b][2], a[b][3], out[b]);
 }
 
+#if SPLITPHASE_AVX2
+// out[b][r] for all nb x rows, one at a time: of 16 ymm registers a 4 x 1 tile (eight
+// accumulators, weights as memory operands) is the largest that does not spill. The first
+// pulls the four weight rows in (prefetched ahead), the others find them in L1.
+template <typename Step>
+inline void dot_4rows_all(const typename Step::T* w, int64_t stride, const typename Step::T* x,
+                          int64_t k, int nb, float (*out)[4]) {
+  dot_4rows_tile<Step, 1, true>(w, stride, x, k, out);
+  for (int b = 1; b < nb; ++b) dot_4rows_tile<Step, 1, false>(w, stride, x + b * k, k, out + b);
+}
+#else
 // out[b][r] for all nb x rows, four at a time: the first group pulls the four weight rows in
 // (prefetched ahead), the others find them in L1.
 template <typename Step>
@@ -149,19 +160,20 @@ inline void dot_4rows_all(const typename Step::T* w, int64_t stride, const typen
     default: break;
   }
 }
+#endif
 
 // fp32: 16 lanes a step, FMA.
 struct F32Step {
   using T = float;
-  using V = __m512;
+  using V = vf;
   static constexpr int64_t kLanes = 16;
   static constexpr int kPrefetch = 1024;  // bytes ahead in each weight stream
   static V load(const float* p) { return load16(p); }
   static V tail(const float* p, int64_t n) { return load_tail(p, n); }
-  static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
+  static vf madd(vf acc, V w, V x) { return fmadd(w, x, acc); }
 };
 
-#if defined(__AVX512BF16__)
+#if SPLITPHASE_AVX512 && defined(__AVX512BF16__)
 // bf16 weights and bf16 x: VDPBF16PS multiplies 32 bf16 pairs a step (products exact, fp32
 // sums), so a weight byte costs a fraction of an instruction and the stream stays
 // memory-bound. x is read as the bf16 it is (no widening to fp32 and narrowing back per

@@ -54,7 +54,7 @@ def matmul_peak_flops_per_s(
         w = torch.randn(out_f, in_f, generator=g).to(device, dtype)
         seconds = best_s(partial(F.linear, x, w), repeats)
         for name in packed_linear.backends():
-            if dtype not in packed_gemms.GEMMS[name].dtypes:
+            if not packed_gemms.takes(name, dtype):
                 continue
             with packed_linear.switched(True), packed_linear.using_backend(name):
                 if packed_linear.usable(x, w):
