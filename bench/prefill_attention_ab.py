@@ -35,7 +35,8 @@ def causal_attention_flops(heads: int, head_dim: int, n: int) -> int:
 
 def _variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
     def native() -> object:
-        with prefill_attention.bf16_switched(True):  # bf16 too, even where SDPA takes it
+        # bf16 too, and scalar tiles (no AVX-512), even where SDPA takes them in the model
+        with prefill_attention.bf16_switched(True), prefill_attention.scalar_tiles_allowed():
             out = prefill_attention.causal(q, k, v)
         assert out is not None, "the native kernel does not apply here (see kernels.build.status)"
         return out

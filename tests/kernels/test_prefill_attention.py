@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,40 @@ from splitphase.model.transformer import Transformer
 needs_kernel = pytest.mark.skipif(
     not build.available(), reason=f"native kernel unavailable: {build.status().reason}"
 )
+
+
+@pytest.fixture(autouse=True)
+def scalar_tiles_too() -> Iterator[None]:
+    """The kernel's results are tested whatever its speed here: where its tiles are scalar
+    loops (no AVX-512) the model leaves it to SDPA, these tests still run it."""
+    with prefill_attention.scalar_tiles_allowed():
+        yield
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@needs_kernel
+def test_the_kernel_takes_prefill_only_where_its_tiles_are_vector_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prefill_attention, "_vectorized", None)  # as the library says
+    want = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "bmi2"} <= _cpu_flags()
+    assert prefill_attention.vectorized() == want
+    assert prefill_attention.is_enabled() == want
+    q, k, v = _qkv(1, 70, 70, 12, 4, 64)
+    got = prefill_attention.causal(q, k, v)
+    assert (got is not None) == want
+    model = Transformer(ModelConfig.from_name("tiny")).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40))
+    with torch.inference_mode():
+        logits, _ = model.prefill(ids)
+        with prefill_attention.switched(False):
+            torch.testing.assert_close(logits, model.prefill(ids)[0], atol=1e-4, rtol=1e-4)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,17 @@
 #include "ops.h"
 #include "pool.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SPLITPHASE_AVX512 1
 #include "simd.h"
-#endif
 
 namespace {
+
+#if SPLITPHASE_SIMD
+using splitphase_simd::add;
+using splitphase_simd::mul;
+using splitphase_simd::set1;
+using splitphase_simd::vf;
+using splitphase_simd::zero;
+#endif
 
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
@@ -29,18 +34,20 @@ inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 // keep the order a function of D alone, so a row's norm still does not depend on its batch.
 template <typename T>
 inline float sum_squares(const T* xr, int64_t d) {
-#if SPLITPHASE_AVX512
-  using namespace splitphase_simd;
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
+#if SPLITPHASE_SIMD
+  using splitphase_simd::load16;
+  using splitphase_simd::load_tail;
+  using splitphase_simd::reduce4;
+  vf acc[4] = {zero(), zero(), zero(),
+                   zero()};
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    __m512 v = load16(xr + i);
-    acc[(i / 16) % 4] = _mm512_add_ps(acc[(i / 16) % 4], _mm512_mul_ps(v, v));
+    vf v = load16(xr + i);
+    acc[(i / 16) % 4] = add(acc[(i / 16) % 4], mul(v, v));
   }
   if (i < d) {
-    __m512 v = load_tail(xr + i, d - i);
-    acc[(i / 16) % 4] = _mm512_add_ps(acc[(i / 16) % 4], _mm512_mul_ps(v, v));
+    vf v = load_tail(xr + i, d - i);
+    acc[(i / 16) % 4] = add(acc[(i / 16) % 4], mul(v, v));
   }
   float part[4];
   reduce4(acc[0], acc[1], acc[2], acc[3], part);
@@ -55,7 +62,7 @@ inline float sum_squares(const T* xr, int64_t d) {
 #endif
 }
 
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_SIMD
 // fn(i, n) over [0, d) in steps of 16 lanes, n = 16 but for a last partial step: the element
 // loops below in vector form, each lane the scalar loop's operations in its order (bf16
 // rounded where that loop rounds), so results stay bit-identical to it. Scalar loops over
@@ -67,12 +74,12 @@ inline void lanes(int64_t d, F&& fn) {
 }
 
 template <typename T>
-inline __m512 load(const T* p, int64_t n) {
+inline vf load(const T* p, int64_t n) {
   return n == 16 ? splitphase_simd::load16(p) : splitphase_simd::load_tail(p, n);
 }
 
 template <typename T>
-inline void store(T* p, __m512 v, int64_t n) {
+inline void store(T* p, vf v, int64_t n) {
   if (n == 16) {
     splitphase_simd::store16(p, v);
   } else {
@@ -86,11 +93,11 @@ template <typename T>
 inline void rms_row(const T* xr, const T* w, T* yr, int64_t d, float eps) {
   float ss = sum_squares(xr, d);
   float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-#if SPLITPHASE_AVX512
-  const __m512 iv = _mm512_set1_ps(inv);
+#if SPLITPHASE_SIMD
+  const vf iv = set1(inv);
   lanes(d, [&](int64_t i, int64_t n) {
-    __m512 nv = splitphase_simd::round_to(_mm512_mul_ps(load(xr + i, n), iv), T());
-    store(yr + i, _mm512_mul_ps(load(w + i, n), nv), n);
+    vf nv = splitphase_simd::round_to(mul(load(xr + i, n), iv), T());
+    store(yr + i, mul(load(w + i, n), nv), n);
   });
 #else
   for (int64_t i = 0; i < d; ++i) {
@@ -114,9 +121,9 @@ void add_rms_rows(const T* x, const T* r, const T* w, T* s, T* y, int64_t rows, 
   splitphase_pool::parallel_chunks(rows, 8, rows, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t off = row * d;
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_SIMD
       lanes(d, [&](int64_t i, int64_t n) {
-        store(s + off + i, _mm512_add_ps(load(x + off + i, n), load(r + off + i, n)), n);
+        store(s + off + i, add(load(x + off + i, n), load(r + off + i, n)), n);
       });
 #else
       for (int64_t i = 0; i < d; ++i) {
@@ -196,17 +203,17 @@ namespace {
 // to T as torch's bf16 ops round it.
 template <typename T>
 inline void rope_head(const T* xr, const T* cs, const T* sn, T* yr, int64_t half) {
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_SIMD
   using splitphase_simd::round_to;
-  const __m512 minus = _mm512_set1_ps(-1.f);  // an exact sign flip, as the scalar negation
+  const vf minus = set1(-1.f);  // an exact sign flip, as the scalar negation
   lanes(half, [&](int64_t i, int64_t n) {
-    const __m512 lo = load(xr + i, n), hi = load(xr + half + i, n);
-    const __m512 a_lo = round_to(_mm512_mul_ps(lo, load(cs + i, n)), T());
-    const __m512 c_lo = round_to(_mm512_mul_ps(_mm512_mul_ps(hi, minus), load(sn + i, n)), T());
-    store(yr + i, _mm512_add_ps(a_lo, c_lo), n);
-    const __m512 a_hi = round_to(_mm512_mul_ps(hi, load(cs + half + i, n)), T());
-    const __m512 c_hi = round_to(_mm512_mul_ps(lo, load(sn + half + i, n)), T());
-    store(yr + half + i, _mm512_add_ps(a_hi, c_hi), n);
+    const vf lo = load(xr + i, n), hi = load(xr + half + i, n);
+    const vf a_lo = round_to(mul(lo, load(cs + i, n)), T());
+    const vf c_lo = round_to(mul(mul(hi, minus), load(sn + i, n)), T());
+    store(yr + i, add(a_lo, c_lo), n);
+    const vf a_hi = round_to(mul(hi, load(cs + half + i, n)), T());
+    const vf c_hi = round_to(mul(lo, load(sn + half + i, n)), T());
+    store(yr + half + i, add(a_hi, c_hi), n);
   });
 #else
   for (int64_t i = 0; i < 2 * half; ++i) {

@@ -345,10 +345,20 @@ bool set_amx_attention(bool on) {
 #endif
 }
 
+// Whether the tiles are vector code (AVX-512) in this build: without it they are scalar loops.
+bool prefill_attention_vectorized() {
+#if SPLITPHASE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace splitphase_ops
 
 TORCH_LIBRARY_FRAGMENT(splitphase, m) {
   m.def("set_amx_attention(bool on) -> bool");
+  m.def("prefill_attention_vectorized() -> bool");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
   m.def("prefill_attention_paged(Tensor q, Tensor k, Tensor v, Tensor q_rows, Tensor q_starts, "
         "Tensor slots, Tensor k_starts, Tensor(a!) out) -> ()");
@@ -361,4 +371,5 @@ TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
 
 TORCH_LIBRARY_IMPL(splitphase, CatchAll, m) {
   m.impl("set_amx_attention", &splitphase_ops::set_amx_attention);
+  m.impl("prefill_attention_vectorized", &splitphase_ops::prefill_attention_vectorized);
 }

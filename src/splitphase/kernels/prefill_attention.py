@@ -26,14 +26,43 @@ from splitphase.kernels import amx, build, skinny
 from splitphase.kernels.switch import Switch, switch_functions
 
 _SWITCH = Switch()
+_vectorized: bool | None = None
+
+
+def vectorized() -> bool:
+    """Whether the loaded library's tiles are vector code (built for AVX-512). Without it they
+    are scalar loops, which on the AVX2-only AMD Zen 3 host (one layer of base-125m, fp32,
+    `bench/prefill_attention_ab.py`) took 2.0x SDPA's time at 512 tokens and 3.6x at 2048
+    (bf16: 1.7x and 3.1x): there SDPA takes prefill attention."""
+    global _vectorized
+    if _vectorized is None:
+        _vectorized = build.available() and bool(
+            torch.ops.splitphase.prefill_attention_vectorized())
+    return _vectorized
+
+
+@contextlib.contextmanager
+def scalar_tiles_allowed() -> Iterator[None]:
+    """The kernel takes prefill attention inside the block even where its tiles are scalar
+    loops (benchmarks time them there, tests check their results), as before after it."""
+    global _vectorized
+    before, _vectorized = vectorized(), build.available()
+    try:
+        yield
+    finally:
+        _vectorized = before
+
+
+def _requires() -> bool:
+    return skinny.is_enabled() and vectorized()
 
 
 set_enabled, switched, is_enabled = switch_functions(
-    _SWITCH, requires=skinny.is_enabled, module=__name__,
+    _SWITCH, requires=_requires, module=__name__,
     set_doc="Turn the native prefill attention on or off for this process (torch SDPA when off).",
     switched_doc="Native prefill attention on (or off) inside the block, as it was after it.",
-    enabled_doc=("True when this path is on and the native kernels are "
-                 "(SPLITPHASE_KERNELS=0 turns all off)."),
+    enabled_doc=("True when this path is on, the native kernels are (SPLITPHASE_KERNELS=0 "
+                 "turns all off) and their tiles are vector code (`vectorized`)."),
 )
 
 
