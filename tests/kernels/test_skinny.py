@@ -113,6 +113,27 @@ def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
             assert skinny.max_rows(bf16) == skinny.own_rows(bf16)
 
 
+@needs_kernel
+def test_bf16_keeps_the_kernel_to_its_limit_where_no_gemm_packs_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(skinny, "_amx_kernel", False)
+    monkeypatch.setattr(packed_linear, "backend_for", lambda dtype: None)
+    assert skinny.own_rows(bf16) == skinny.max_rows(bf16) == skinny.KERNEL_ROWS
+    assert skinny.own_rows(torch.float32) == skinny.MAX_ROWS[torch.float32]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(skinny.KERNEL_ROWS, 96, generator=g).bfloat16()
+    w = (torch.randn(40, 96, generator=g) * 0.1).bfloat16()
+    with torch.inference_mode():
+        assert skinny._use_kernel(x, (w,))
+        y = skinny.linear(x, w)
+        torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-3)
+        assert not skinny._use_kernel(torch.randn(skinny.KERNEL_ROWS + 1, 96).bfloat16(), (w,))
+    monkeypatch.setattr(packed_linear, "backend_for", lambda dtype: "onednn")
+    assert skinny.own_rows(bf16) == skinny.MAX_ROWS[bf16]
+
+
 @pytest.mark.skipif(not packed_gemms.takes("onednn", torch.bfloat16),
                     reason="needs oneDNN's bf16 GEMM")
 @pytest.mark.parametrize("has_amx", [False, True])

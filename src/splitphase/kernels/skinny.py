@@ -32,6 +32,12 @@ MAX_ROWS = {torch.float32: 48, torch.bfloat16: 8}
 AMX_MIN_ROWS = 7
 AMX_MAX_ROWS = 32
 
+# The most rows one call takes (skinny_linear.cpp's kMaxRows). bf16 goes to it where no packed
+# GEMM multiplies bf16 (oneDNN's needs AVX-512 or AVX-NE-CONVERT): torch's bf16 linear then has
+# only its own slow GEMM, and on the AVX2-only Zen 3 host (`bench/skinny_rows.py --dtype
+# bfloat16`, base-125m's MLP linears) the kernel took 0.31-0.54x its time from 1 to 64 rows.
+KERNEL_ROWS = 64
+
 
 _SWITCH = Switch()
 
@@ -64,6 +70,8 @@ def own_rows(dtype: torch.dtype) -> int:
     """Rows up to which the kernel beats torch's linear in `dtype` on this CPU."""
     if dtype == torch.bfloat16 and amx_kernel():
         return AMX_MAX_ROWS
+    if dtype == torch.bfloat16 and packed_linear.backend_for(dtype) is None:
+        return KERNEL_ROWS
     return MAX_ROWS.get(dtype, 0)
 
 
