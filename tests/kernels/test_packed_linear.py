@@ -308,15 +308,42 @@ def test_a_gemm_that_raises_on_a_dtype_does_not_take_it(monkeypatch) -> None:
         assert packed_gemms.takes.__wrapped__("onednn", torch.float32)
 
 
+def test_where_no_gemm_takes_bf16_it_widens_to_the_fp32_one(
+    gemm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = packed_linear.backend_for
+    monkeypatch.setattr(packed_linear, "backend_for",
+                        lambda dtype: None if dtype == torch.bfloat16 else real(dtype))
+    assert packed_linear.widened_backend(torch.bfloat16) == gemm
+    assert packed_linear.widened_backend(torch.float32) is None
+    assert packed_linear.min_rows(torch.bfloat16) == packed_linear.MIN_ROWS
+    g = torch.Generator().manual_seed(6)
+    ws = [(torch.randn(n, 256, generator=g) * 0.05).bfloat16() for n in (96, 32)]
+    pack = packed_linear.PackedWeight()
+    with torch.no_grad():
+        x = torch.randn(2, 300, 256, generator=g).bfloat16()
+        got = packed_linear.stacked_linear(x, ws, pack)
+        assert got is not None and got.dtype == torch.bfloat16 and got.shape == (2, 300, 128)
+        exact = x.double() @ torch.cat(ws).double().T  # products of bf16 values are exact
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)  # one rounding
+        assert packed_linear.linear(x[:, :10], ws[0], packed_linear.PackedWeight()) is None
+    assert pack.nbytes >= 128 * 256 * 4  # an fp32 copy, counted against the budget
+    if gemm == "mkl":  # MKL's op keeps the plain weight for its fallback: the fp32 stack
+        assert pack._plain is not None and pack._plain.dtype == torch.float32
+
+
 @pytest.mark.skipif(packed_gemms.takes("onednn", torch.bfloat16), reason="bf16 packs here")
-def test_without_a_bf16_packed_gemm_bf16_linears_keep_torchs() -> None:
-    w = torch.randn(96, 768).bfloat16()
-    x = torch.randn(512, 768).bfloat16()
+def test_without_a_bf16_packed_gemm_the_bf16_model_widens_its_prefill_linears() -> None:
     assert packed_linear.backend_for(torch.bfloat16) is None
-    assert packed_linear.linear(x, w, packed_linear.PackedWeight()) is None
+    torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name("tiny").with_(dtype="bfloat16")).eval()
-    logits, _ = model.prefill(torch.randint(0, model.cfg.vocab_size, (2, 70)))
-    assert torch.isfinite(logits.float()).all()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 70))
+    packed_logits, _ = model.prefill(ids)
+    assert model.layers[0].self_attn.qkv_packed._packed is not None
+    assert model.layers[0].self_attn.qkv_packed._packed.dtype == torch.float32
+    with packed_linear.switched(False):
+        torch_logits, _ = model.prefill(ids)
+    torch.testing.assert_close(packed_logits, torch_logits, rtol=2e-2, atol=2e-2)
 
 
 @needs_onednn_bf16

@@ -24,7 +24,8 @@ from splitphase.hardware.specs import HardwareSpec
 # (e.g. AWS m7i.large, us-east-1, about $0.10/h in 2025).
 DEFAULT_CPU_PRICE_USD_PER_HOUR = 0.10
 _MIB = 2**20
-_CACHE_VERSION = 3  # 2: GEMM peak is the best rate over sizes; 3: and over packed GEMMs
+_CACHE_VERSION = 4  # 2: GEMM peak is the best rate over sizes; 3: and over packed GEMMs;
+# 4: bf16 also over an fp32 GEMM on a widened copy, where none takes bf16
 # A spot probe this much above a cached peak means the cache was measured under load.
 _STALE_MARGIN = 1.15
 _TRIAD_MIB = {True: 64, False: 256}  # per array, quick and full
@@ -81,17 +82,28 @@ def measure_triad_bandwidth_bytes_per_s(mib_per_array: int = 64, repeats: int = 
 
 def _packed_products(x: Any, w: Any) -> list[Callable[[], object]]:
     """x @ w.T on a packed copy of w by every packed GEMM this torch has for x's dtype (MKL's,
-    oneDNN's), as the model's prefill linears run: on a host where MKL takes its AVX2 path
+    oneDNN's; an fp32 one on a widened copy where none takes bf16), as the model's prefill
+    linears run: on a host where MKL takes its AVX2 path
     (AMD Zen 5) oneDNN's ran 2.3x torch's matmul, and a peak under the prefill's own rate
     made the audit report prefill above 100% of it."""
+    import torch
+
     from splitphase.kernels import packed_gemms, packed_linear
 
     products: list[Callable[[], object]] = []
+    widened = packed_linear.widened_backend(x.dtype) is not None
     for name in packed_linear.backends():
         gemm = packed_gemms.GEMMS[name]
         if packed_gemms.takes(name, x.dtype):
             products.append(functools.partial(gemm.run, x, gemm.pack(w), w, x.shape[0]))
+        elif widened and packed_gemms.takes(name, torch.float32):  # as the model's bf16 runs
+            wf = w.float()
+            products.append(functools.partial(_widened_run, gemm, x, gemm.pack(wf), wf))
     return products
+
+
+def _widened_run(gemm: Any, x: Any, packed: Any, plain: Any) -> object:
+    return gemm.run(x.float(), packed, plain, x.shape[0]).to(x.dtype)
 
 
 def measure_gemm_flops_per_s(

@@ -205,6 +205,26 @@ def backend_for(dtype: torch.dtype) -> str | None:
     return next((n for n in HAVE if packed_gemms.takes(n, dtype)), None)
 
 
+def widened_backend(dtype: torch.dtype) -> str | None:
+    """The fp32 packed GEMM that multiplies `dtype` widened to fp32, where no packed GEMM takes
+    it as it is (bf16 on a CPU without AVX-512: torch's bf16 linear then has only its own GEMM,
+    at a ninth of the fp32 rate on the AVX2-only Zen 3 host); None elsewhere. The products of
+    bf16 values are exact in fp32 and the sums fp32, as in torch's bf16 linear; the output
+    rounds to bf16 once."""
+    if dtype != torch.bfloat16 or backend_for(dtype) is not None:
+        return None
+    return backend()
+
+
+def _plan(dtype: torch.dtype) -> tuple[str, bool] | None:
+    """(backend, widened to fp32) for a prefill linear in `dtype`; None where none applies."""
+    name = backend_for(dtype)
+    if name is not None:
+        return name, False
+    wide = widened_backend(dtype)
+    return (wide, True) if wide is not None else None
+
+
 def min_rows(dtype: torch.dtype) -> int:
     """Rows from which a linear in `dtype` takes the packed GEMM (when one is usable)."""
     if backend_for(dtype) != "onednn":
@@ -271,27 +291,29 @@ class PackedWeight:
         self._bytes = 0  # counted against the budget: the packed copy and any stack made for it
 
     def get(
-        self, ws: Sequence[torch.Tensor], name: str
+        self, ws: Sequence[torch.Tensor], name: str, widen: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(packed copy, plain stack or None) of ws on dim 0 for backend `name`, rebuilt if
-        any changed since last call; None where the memory budget has no room for them (the
-        caller uses torch's linear).
+        """(packed copy, plain stack or None) of ws on dim 0 for backend `name` (widened to
+        fp32 first: `widened_backend`), rebuilt if any changed since last call; None where the
+        memory budget has no room for them (the caller uses torch's linear).
 
         `_mkl_linear` takes the plain weight too (its fallback when the row count differs
         from the packing's), so for MKL a stack of several is kept: never a stand-in that
         would be silently wrong if that fallback ran. oneDNN's op takes the packed copy alone.
         """
         weights = (v for w in ws for v in (w.data_ptr(), w._version))
-        key = (name, torch.get_num_threads(), *weights)
+        key = (name, widen, torch.get_num_threads(), *weights)
         if key == self._refused:
             return None
         if self._packed is None or key != self._key:
             self._drop()  # the old copies go before new ones are built
             gemm = GEMMS[name]
             stacked = ws[0] if len(ws) == 1 else torch.cat(list(ws))
+            stacked = stacked.float() if widen else stacked
             packed = gemm.pack(stacked)
             plain = stacked if gemm.needs_plain else None
-            extra = plain is not None and len(ws) > 1  # a stack kept only for MKL's fallback
+            # a stack (or fp32 copy) kept only for MKL's fallback
+            extra = plain is not None and (len(ws) > 1 or widen)
             nbytes = _nbytes(packed) + (_nbytes(stacked) if extra else 0)
             if not _BUDGET.admit(nbytes):
                 self._refused = key
@@ -326,7 +348,7 @@ class PackedWeight:
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when x @ w.T can take a packed GEMM: on CPU, in a dtype one has (fp32; bf16 on
-    oneDNN's), at least `min_rows` rows, no autograd."""
+    oneDNN's, or widened to fp32 where that has none), at least `min_rows` rows, no autograd."""
     if torch.compiler.is_compiling():
         # The packed copy is a Python-side cache keyed on data_ptr, which dynamo cannot trace;
         # calling it through a graph break (torch.compiler.disable) made dynamo compile every
@@ -345,7 +367,7 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     # its packed copy on, so an in-place change could not be noticed.
     if w.dim() != 2 or not w.is_contiguous() or w.is_inference():
         return False
-    return backend_for(x.dtype) is not None and x.numel() >= min_rows(x.dtype) * x.shape[-1]
+    return _plan(x.dtype) is not None and x.numel() >= min_rows(x.dtype) * x.shape[-1]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor | None:
@@ -361,14 +383,17 @@ def stacked_linear(
     says no for any of them, or where torch's linear is the faster form."""
     if not ws or not all(usable(x, w) for w in ws):
         return None
-    name = backend_for(x.dtype)
-    got = pack.get(ws, name) if name is not None else None  # `usable` said there is one
-    if name is None or got is None:
+    plan = _plan(x.dtype)
+    got = pack.get(ws, *plan) if plan is not None else None  # `usable` said there is one
+    if plan is None or got is None:
         return None
     packed, plain = got
-    gemm = GEMMS[name]
+    gemm, widen = GEMMS[plan[0]], plan[1]
 
     def on_packed(rows_x: torch.Tensor) -> torch.Tensor:
-        return gemm.run(rows_x, packed, plain, rows_x.numel() // rows_x.shape[-1])
+        rows = rows_x.numel() // rows_x.shape[-1]
+        if widen:
+            return gemm.run(rows_x.float(), packed, plain, rows).to(rows_x.dtype)
+        return gemm.run(rows_x, packed, plain, rows)
 
     return gemm_choice.run(x, ws, on_packed)  # None: torch's linear is faster here

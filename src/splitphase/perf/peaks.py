@@ -54,8 +54,8 @@ def matmul_peak_flops_per_s(
         w = torch.randn(out_f, in_f, generator=g).to(device, dtype)
         seconds = best_s(partial(F.linear, x, w), repeats)
         for name in packed_linear.backends():
-            if not packed_gemms.takes(name, dtype):
-                continue
+            if not packed_gemms.takes(name, dtype) and packed_linear.widened_backend(dtype) is None:
+                continue  # (the model's bf16 may take an fp32 GEMM widened: a peak counts it)
             with packed_linear.switched(True), packed_linear.using_backend(name):
                 if packed_linear.usable(x, w):
                     seconds = min(seconds, _packed_forms_s(x, w, repeats))
