@@ -28,3 +28,15 @@ def test_the_signature_tells_apart_cpus_of_one_name(monkeypatch) -> None:
     assert cpuinfo.cpu_signature() == "AuthenticAMD 25/2" and cpuinfo.cpu_model_name() == "AMD EPYC"
     monkeypatch.setattr(cpuinfo, "_first_cpu", dict)  # no /proc/cpuinfo
     assert cpuinfo.cpu_model_name() and cpuinfo.cpu_vendor() == ""
+
+
+def test_avx512_needs_f_bw_and_vl(monkeypatch) -> None:
+    zen3 = {"flags": "fpu sse2 avx avx2 fma bmi2"}
+    monkeypatch.setattr(cpuinfo, "_first_cpu", lambda: zen3)
+    assert "avx2" in cpuinfo.cpu_flags() and not cpuinfo.cpu_has_avx512()
+    monkeypatch.setattr(cpuinfo, "_first_cpu", lambda: {"flags": "avx2 avx512f avx512bw"})
+    assert not cpuinfo.cpu_has_avx512()  # no VL
+    monkeypatch.setattr(cpuinfo, "_first_cpu", lambda: {"flags": "avx512f avx512bw avx512vl"})
+    assert cpuinfo.cpu_has_avx512()
+    monkeypatch.setattr(cpuinfo, "_first_cpu", dict)
+    assert cpuinfo.cpu_flags() == frozenset() and not cpuinfo.cpu_has_avx512()

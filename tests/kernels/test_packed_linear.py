@@ -94,6 +94,9 @@ def test_auto_leaves_the_vendors_backend_only_for_one_clearly_faster():
     # MKL runs its AVX2 code off Intel: oneDNN's stays unless MKL's is clearly faster
     assert packed_linear.pick({"mkl": 1.0, "onednn": 1.0 / 0.85}, amd) == "onednn"  # Zen 4
     assert packed_linear.pick({"mkl": margin * 0.99, "onednn": 1.0}, amd) == "mkl"
+    # without AVX-512 both run AVX2 code: MKL's stays, as on Intel (Zen 3)
+    assert packed_linear.pick({"mkl": 1.0, "onednn": 1.0 / 0.85}, amd, avx512=False) == "mkl"
+    assert packed_linear.pick({"mkl": 1.0, "onednn": margin * 0.99}, amd, False) == "onednn"
     assert packed_linear.pick({"onednn": 3.0}, intel) == "onednn"  # the only one this torch has
     assert packed_linear.pick({"mkl": 3.0}, amd) == "mkl"
 

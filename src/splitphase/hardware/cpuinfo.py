@@ -48,3 +48,13 @@ def cpu_signature() -> str:
     """Vendor, family and model ("AuthenticAMD 25/17"): the same name may cover several."""
     cpu = _first_cpu()
     return f"{cpu_vendor()} {cpu.get('cpu family', '?')}/{cpu.get('model', '?')}"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The first processor's feature flags ("avx2", "avx512f", ...); empty where unknown."""
+    return frozenset(_first_cpu().get("flags", "").split())
+
+
+def cpu_has_avx512() -> bool:
+    """Whether the CPU has AVX-512 F, BW and VL (what the native kernels' AVX-512 code needs)."""
+    return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()

@@ -31,10 +31,10 @@ uses AVX-512 (`bench/packed_gemm.py`: 2 threads, base-125m's shapes at 64-2048 r
 358-506 GFLOP/s against MKL's 138-220; its packed copy is also the weight's size, not ~2.2x),
 and on an AMD Zen 4 host oneDNN is still 10-70% faster (at 32-512 rows 208-220 GFLOP/s against
 MKL's 121-195). `SPLITPHASE_PACKED_GEMM` says which: `auto` (the default) times one GEMM each
-way on first use (`PROBE_ROUNDS` turns) and keeps the one the CPU's vendor favours (MKL's on
-Intel, else oneDNN's) unless the other is clearly faster (`PROBE_MARGIN`); `mkl` or `onednn`
-forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for
-bit (a different microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has
+way on first use (`PROBE_ROUNDS` turns) and keeps the one the CPU favours (MKL's on Intel or
+without AVX-512, else oneDNN's) unless the other is clearly faster (`PROBE_MARGIN`); `mkl` or
+`onednn` forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for bit (a
+different microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has
 no bf16): on the AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every
 shape, the results bit-identical.
 """
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from splitphase.errors import UserError
-from splitphase.hardware.cpuinfo import cpu_vendor
+from splitphase.hardware.cpuinfo import cpu_has_avx512, cpu_vendor
 from splitphase.hardware.memory import available_host_memory_bytes
 from splitphase.kernels import amx, gemm_choice, packed_gemms
 from splitphase.kernels.packed_gemms import GEMMS, HAVE
@@ -126,7 +126,10 @@ _BUDGET = _Budget(limited=_MODE == "auto")
 # (AVX-512 on 256-bit units, so MKL's AVX2 code comes closer) 0.84-0.85x in three processes,
 # where MKL's prefill of 512 tokens reached 79% of the fp32 peak against oneDNN's 92%, and
 # the engine at 32 concurrent requests 4.8x its one-request rate against 6.6x
-# (bench/phase_limits.py, each forced with SPLITPHASE_PACKED_GEMM).
+# (bench/phase_limits.py, each forced with SPLITPHASE_PACKED_GEMM). On the AVX2-only AMD Zen 3
+# host, where neither has AVX-512 code to run, MKL's was the faster (`bench/packed_gemm.py`,
+# base-125m's shapes: 132-177 GFLOP/s at 512 and 2048 rows against oneDNN's 81-148): off Intel
+# MKL is favoured too where the CPU lacks AVX-512.
 PROBE_MARGIN = 0.75
 PROBE_ROUNDS = 3  # each backend timed this many times, alternating; best of each
 PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out: ~0.5 GFLOP, a few ms a call
@@ -172,16 +175,17 @@ def _probe_all(names: list[str]) -> dict[str, float]:
     return best
 
 
-def favoured(vendor: str) -> str:
-    """The backend `auto` keeps unless the other is clearly faster: MKL's on an Intel CPU."""
-    return "mkl" if vendor == "GenuineIntel" else "onednn"
+def favoured(vendor: str, avx512: bool = True) -> str:
+    """The backend `auto` keeps unless the other is clearly faster: MKL's on an Intel CPU and
+    on any CPU without AVX-512 (there both run AVX2 code), oneDNN's elsewhere."""
+    return "mkl" if vendor == "GenuineIntel" or not avx512 else "onednn"
 
 
-def pick(seconds: dict[str, float], vendor: str = "GenuineIntel") -> str:
+def pick(seconds: dict[str, float], vendor: str = "GenuineIntel", avx512: bool = True) -> str:
     """The backend `auto` takes given each one's probe time: the one `favoured` for this
-    CPU's vendor unless the other's is clearly faster, the only one where one is missing."""
+    CPU unless the other's is clearly faster, the only one where one is missing."""
     if "mkl" in seconds and "onednn" in seconds:
-        keep = favoured(vendor)
+        keep = favoured(vendor, avx512)
         other = "onednn" if keep == "mkl" else "mkl"
         return other if seconds[other] < PROBE_MARGIN * seconds[keep] else keep
     return next(iter(seconds))
@@ -193,7 +197,7 @@ def backend() -> str | None:
     global _chosen
     if _chosen is None:
         have = backends()
-        _chosen = pick(_probe_all(have), cpu_vendor()) if have else None
+        _chosen = pick(_probe_all(have), cpu_vendor(), cpu_has_avx512()) if have else None
     return _chosen
 
 
