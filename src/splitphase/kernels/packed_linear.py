@@ -36,7 +36,7 @@ without AVX-512, else oneDNN's) unless the other is clearly faster (`PROBE_MARGI
 `onednn` forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for bit (a
 different microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has
 no bf16): on the AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every
-shape, the results bit-identical.
+shape, the results bit-identical. Where oneDNN has no bf16 (no AVX-512) they widen to fp32's.
 """
 
 from __future__ import annotations

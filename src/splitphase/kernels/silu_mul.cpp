@@ -30,11 +30,11 @@ using splitphase_simd::vf;
 // the Intel host; with it 1.6 and 1.9, `bench/elementwise_rates.py`).
 constexpr int64_t kPrefetchBytes = 2048;
 
+// silu(g) = g / (1 + exp(-g)) from e = exp(-g).
+#if SPLITPHASE_AVX512
 // 1 / d from the 14-bit reciprocal estimate and one Newton step, r + r (1 - d r): relative
 // error about 2^-28, under fp32's own rounding. A 16-lane divide cost as much as the rest of
 // an element's work together (exp, the bf16 roundings).
-// silu(g) = g / (1 + exp(-g)) from e = exp(-g).
-#if SPLITPHASE_AVX512
 inline __m512 recip16(__m512 d) {
   const __m512 r = _mm512_rcp14_ps(d);
   return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r);

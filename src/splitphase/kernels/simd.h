@@ -2,7 +2,8 @@
 // tails, a four-way horizontal sum and exp, on AVX-512 (one zmm) or, on a CPU without it,
 // AVX2 with FMA (two ymm: simd_avx2.h). The build is -march=native, so the building CPU picks.
 // SPLITPHASE_SIMD is defined where either is; code written in the generic names (zero, set1,
-// fmadd, add, ...) runs on both, lane for lane the same operations in the same order.
+// fmadd, add, ...) runs on both, lane for lane the same operations in the same order (the
+// horizontal sums, reduce4 and reduce_add, each keep one fixed order per instruction set).
 #pragma once
 #include <c10/util/BFloat16.h>
 
