@@ -283,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="validation and continuation loss on the held-out split")
     ev.add_argument("--model", default="small")
-    ev.add_argument("--max-tokens", type=int, default=None, help="score at most N tokens")
+    ev.add_argument(
+        "--max-tokens", type=int, default=None, help="score at most N tokens in each metric"
+    )
     ev.add_argument("--data-dir")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=_eval)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from splitphase.model.checkpoint import load_model
-from splitphase.training.evaluate import continuation_loss, evaluate
+from splitphase.training.evaluate import HORIZON, continuation_loss, evaluate
 from splitphase.training.trainer import TrainConfig, Trainer, lr_at
 
 
@@ -80,3 +80,13 @@ def test_continuation_loss_scores_tokens_after_boundaries(tmp_path):
         trainer.model, tokens, np.array([200, 400, 900]), context=64, horizon=8
     )
     assert n == 3 * 8 and loss > 0
+
+
+def test_evaluate_scores_at_most_max_prompts_continuations(tmp_path):
+    trainer = Trainer(CFG, _stream(5000, 2), _stream(3000, 2), None, tmp_path)
+    tokens = _stream(3000, 2)
+    boundaries = np.arange(200, 2900, 100)  # 27 prompts
+    res = evaluate(trainer.model, tokens, boundaries, 32, max_tokens=256, max_prompts=3)
+    assert res.tokens == 256 and res.continuation_tokens == 3 * HORIZON
+    default = evaluate(trainer.model, tokens, boundaries, 32, max_tokens=256)
+    assert default.continuation_tokens > 3 * HORIZON

@@ -12,7 +12,7 @@ from splitphase.data.corpus import default_data_dir
 from splitphase.data.shards import load_split, load_val_boundaries
 from splitphase.errors import UserError
 from splitphase.model.checkpoint import load_model
-from splitphase.training.evaluate import evaluate
+from splitphase.training.evaluate import HORIZON, MAX_PROMPTS, evaluate
 from splitphase.training.trainer import TrainConfig, Trainer
 
 
@@ -54,7 +54,11 @@ def eval_model(
     if max_tokens is not None and max_tokens <= seq_len:
         raise UserError(f"--max-tokens must be > {seq_len} (one window), got {max_tokens}")
     model = load_model(model_name)
-    res = evaluate(model, _load(data_dir, "val"), _boundaries(data_dir), seq_len, max_tokens)
+    # --max-tokens bounds both metrics: the continuation loss alone would score 16,384 tokens
+    # (512 prompts, each read with 192 tokens of context).
+    prompts = MAX_PROMPTS if max_tokens is None else max(1, min(MAX_PROMPTS, max_tokens // HORIZON))
+    res = evaluate(model, _load(data_dir, "val"), _boundaries(data_dir), seq_len, max_tokens,
+                   max_prompts=prompts)
     doc = {
         "model": model_name,
         "tokens": res.tokens,

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+HORIZON = 32  # continuation tokens scored after each prompt
+MAX_PROMPTS = 512  # continuation prompts, taken at a fixed stride
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -62,8 +65,8 @@ def continuation_loss(
     tokens: np.ndarray,
     boundaries: np.ndarray,
     context: int = 192,
-    horizon: int = 32,
-    max_prompts: int = 512,
+    horizon: int = HORIZON,
+    max_prompts: int = MAX_PROMPTS,
     batch_size: int = 16,
 ) -> tuple[float, int]:
     """Mean NLL of the `horizon` tokens after each sampled prompt boundary."""
@@ -84,15 +87,18 @@ def evaluate(
     seq_len: int,
     max_tokens: int | None = None,
     batch_size: int = 16,
+    max_prompts: int = MAX_PROMPTS,
 ) -> EvalResult:
-    """Validation loss and (when boundaries are given) continuation loss."""
+    """Validation loss and (when boundaries are given) continuation loss over `max_prompts`."""
     was_training = model.training
     model.eval()
     try:
         loss, n = validation_loss(model, tokens, seq_len, batch_size, max_tokens)
         if boundaries is None or len(boundaries) == 0:
             return EvalResult(loss, n)
-        cont, m = continuation_loss(model, tokens, boundaries, batch_size=batch_size)
+        cont, m = continuation_loss(
+            model, tokens, boundaries, max_prompts=max_prompts, batch_size=batch_size
+        )
         return EvalResult(loss, n, cont, m)
     finally:
         model.train(was_training)
