@@ -24,7 +24,7 @@ def kernel_off():
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 23, 48])
-@pytest.mark.parametrize("in_features", [64, 100, 768])
+@pytest.mark.parametrize("in_features", [64, 100, 768, 1800])
 def test_fp32_matches_torch_linear(rows: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + in_features)
     x = torch.randn(rows, in_features, generator=g)
@@ -52,13 +52,14 @@ def test_bf16_within_one_rounding_of_torch(rows: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_results_do_not_depend_on_row_count(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("in_features", [100, 1800])  # 1800: blocks of k, a tail in the last
+def test_row_results_do_not_depend_on_row_count(dtype: torch.dtype, in_features: int) -> None:
     """Batch-invariant decode: a row's result is the same whether it is alone, in a tile of
     four, or in a batch the tiles do not divide."""
     g = torch.Generator().manual_seed(0)
     rows = 23
-    x = torch.randn(rows, 100, generator=g).to(dtype)
-    ws = [torch.randn(n, 100, generator=g).to(dtype) for n in (50, 7)]
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    ws = [torch.randn(n, in_features, generator=g).to(dtype) for n in (50, 7)]
     with torch.inference_mode():
         full = torch.ops.splitphase.skinny_linear(x, ws)
         for n in range(1, rows):

@@ -90,6 +90,89 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   reduce4(a0, a1, a2, a3, s);
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
+#if SPLITPHASE_AVX2
+// The AVX2 tile: 4 weight rows x 1 x row, with k in blocks. Of 16 ymm registers a 4 x 1 tile
+// of 16 lanes (eight accumulators, weights as memory operands) is the largest that does not
+// spill, so a weight row is reused by one x row at a time, and must still be in L1 for the
+// next: four rows of a 3072-wide fp32 weight (48 KiB) are not, and the down projection took
+// 2.5x its FMA time in L2 reads. Blocks of kBlockK keep them there. Each (row, x row)
+// accumulator is carried across blocks, so it sums the same 16-lane steps in the same order
+// as dot_rows4 and dot_4rows1 (batch-invariant). x is fp32 here (bf16 widened once a call).
+constexpr int64_t kBlockK = 768;  // a multiple of 16: only the last block has a tail
+
+// One block of the four rows' sums with one x row: from zero in the first block, else from
+// acc; then into acc, or, in the last block, reduced into out.
+template <typename W, bool kAhead>
+inline void block_4rows1(const W* w, int64_t stride, const float* x, int64_t kb, bool first,
+                         vf* acc, float* out) {
+  vf a0 = first ? zero() : acc[0], a1 = first ? zero() : acc[1];
+  vf a2 = first ? zero() : acc[2], a3 = first ? zero() : acc[3];
+  int64_t i = 0;
+  for (; i + 16 <= kb; i += 16) {
+    if (kAhead) {  // the first x row: the weight rows come from memory
+      for (int r = 0; r < 4; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + 1024, _MM_HINT_T0);
+    }
+    vf xv = load16(x + i);
+    a0 = fmadd(load16(w + i), xv, a0);
+    a1 = fmadd(load16(w + stride + i), xv, a1);
+    a2 = fmadd(load16(w + 2 * stride + i), xv, a2);
+    a3 = fmadd(load16(w + 3 * stride + i), xv, a3);
+  }
+  if (i < kb) {
+    vf xv = load_tail(x + i, kb - i);
+    a0 = fmadd(load_tail(w + i, kb - i), xv, a0);
+    a1 = fmadd(load_tail(w + stride + i, kb - i), xv, a1);
+    a2 = fmadd(load_tail(w + 2 * stride + i, kb - i), xv, a2);
+    a3 = fmadd(load_tail(w + 3 * stride + i, kb - i), xv, a3);
+  }
+  if (out != nullptr) {
+    reduce4(a0, a1, a2, a3, out);
+  } else {
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+  }
+}
+
+// The four bf16 rows of a block as fp32 in buf (rows kBlockK apart), prefetched ahead: the
+// widening, two instructions a vector, then costs once a block instead of once an x row.
+inline void widen_block(const c10::BFloat16* w, int64_t stride, int64_t kb, float* buf) {
+  for (int r = 0; r < 4; ++r) {
+    int64_t i = 0;
+    for (; i + 16 <= kb; i += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + 1024, _MM_HINT_T0);
+      splitphase_simd::store16(buf + r * kBlockK + i, load16(w + r * stride + i));
+    }
+    for (; i < kb; ++i) buf[r * kBlockK + i] = static_cast<float>(w[r * stride + i]);
+  }
+}
+
+// out[b][r] for all nb x rows: per block, the first x row pulls the four weight rows in
+// (prefetched ahead), the others find them in L1; bf16 rows are widened into a block buffer
+// first (exactly, so the sums are the same). Sums between blocks wait in acc (a 768-wide
+// weight, one block, never touches it: it would share L1 with the weight rows).
+template <typename W>
+inline void dot_4rows_all(const W* w, int64_t stride, const float* x, int64_t k, int nb,
+                          float (*out)[4]) {
+  vf acc[kMaxRows][4];
+  alignas(64) float wbuf[4 * kBlockK];
+  for (int64_t k0 = 0; k0 < k; k0 += kBlockK) {
+    const int64_t kb = std::min(kBlockK, k - k0);
+    const bool first = k0 == 0, last = k0 + kb == k;
+    for (int b = 0; b < nb; ++b) {
+      float* o = last ? out[b] : nullptr;
+      const float* xb = x + b * k + k0;
+      if constexpr (std::is_same_v<W, c10::BFloat16>) {
+        if (b == 0) widen_block(w + k0, stride, kb, wbuf);
+        block_4rows1<float, false>(wbuf, kBlockK, xb, kb, first, acc[b], o);
+      } else if (b == 0) {
+        block_4rows1<W, true>(w + k0, stride, xb, kb, first, acc[b], o);
+      } else {
+        block_4rows1<W, false>(w + k0, stride, xb, kb, first, acc[b], o);
+      }
+    }
+  }
+}
+#else
 // out[b][r] = dot(w + r * stride, x + b * k) for four weight rows and NB <= 4 x rows: a 4 x NB
 // tile of independent accumulators (4 * NB multiply-add chains keep both FMA ports busy, where
 // one weight row at a time had at most 4 dependent chains) and four weight streams in flight.
@@ -129,17 +212,6 @@ inline void dot_4rows_tile(const typename Step::T* w, int64_t stride, const type
   for (int b = 0; b < NB; ++b) reduce4(a[b][0], a[b][1], a[b][2], a[b][3], out[b]);
 }
 
-#if SPLITPHASE_AVX2
-// out[b][r] for all nb x rows, one at a time: of 16 ymm registers a 4 x 1 tile (eight
-// accumulators, weights as memory operands) is the largest that does not spill. The first
-// pulls the four weight rows in (prefetched ahead), the others find them in L1.
-template <typename Step>
-inline void dot_4rows_all(const typename Step::T* w, int64_t stride, const typename Step::T* x,
-                          int64_t k, int nb, float (*out)[4]) {
-  dot_4rows_tile<Step, 1, true>(w, stride, x, k, out);
-  for (int b = 1; b < nb; ++b) dot_4rows_tile<Step, 1, false>(w, stride, x + b * k, k, out + b);
-}
-#else
 // out[b][r] for all nb x rows, four at a time: the first group pulls the four weight rows in
 // (prefetched ahead), the others find them in L1.
 template <typename Step>
@@ -317,24 +389,31 @@ void rows_each(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi
 
 // The same for several x rows: 4 x nb tiles over four runs of rows read side by side (the
 // stream layout of rows1), the rows the runs leave by rows_each; a row's sums are the same
-// either way.
-template <typename Step>
-int64_t rows_tiled(const typename Step::T* w, const typename Step::T* x, int64_t k, int nb,
-                   int64_t lo, int64_t hi, int64_t width, typename Step::T* y) {
+// either way. Tile: dot_4rows_all's template argument (the weight type on AVX2, a Step on
+// AVX-512); X: x's type there (fp32 on AVX2).
+#if SPLITPHASE_SIMD
+template <typename Tile, typename T, typename X>
+int64_t rows_tiled(const T* w, const X* x, int64_t k, int nb, int64_t lo, int64_t hi,
+                   int64_t width, T* y) {
   const int64_t run = (hi - lo) / 4;
   float acc[kMaxRows][4];
   for (int64_t i = 0; i < run; ++i) {
-    dot_4rows_all<Step>(w + (lo + i) * k, run * k, x, k, nb, acc);
+    dot_4rows_all<Tile>(w + (lo + i) * k, run * k, x, k, nb, acc);
     for (int b = 0; b < nb; ++b)
-      for (int r = 0; r < 4; ++r)
-        y[b * width + lo + r * run + i] = static_cast<typename Step::T>(acc[b][r]);
+      for (int r = 0; r < 4; ++r) y[b * width + lo + r * run + i] = static_cast<T>(acc[b][r]);
   }
   return lo + 4 * run;  // the rows left for rows_each
 }
+#endif
 
+// xf: x as fp32 (x itself where T is float), read by the AVX2 tile.
 template <typename T>
-void rows_n(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi, int64_t width,
-            T* y) {
+void rows_n(const T* w, const T* x, const float* xf, int64_t k, int nb, int64_t lo, int64_t hi,
+            int64_t width, T* y) {
+#if SPLITPHASE_AVX2
+  lo = rows_tiled<T>(w, xf, k, nb, lo, hi, width, y);
+#else
+  (void)xf;
 #if defined(SPLITPHASE_FP32_TILE)
   if constexpr (std::is_same_v<T, float>) lo = rows_tiled<F32Step>(w, x, k, nb, lo, hi, width, y);
 #endif
@@ -343,7 +422,27 @@ void rows_n(const T* w, const T* x, int64_t k, int nb, int64_t lo, int64_t hi, i
     lo = rows_tiled<Bf16Step>(w, x, k, nb, lo, hi, width, y);
   }
 #endif
+#endif
   rows_each(w, x, k, nb, lo, hi, width, y);
+}
+
+// x as fp32 for rows_n: x itself, or (AVX2, several bf16 rows) a widened copy in buf.
+template <typename T>
+const float* x_as_fp32(const T* x, int nb, int64_t k, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+#if SPLITPHASE_AVX2
+    if (nb > 1) {
+      buf.resize(static_cast<size_t>(nb * k));
+      for (int64_t i = 0; i < nb * k; ++i) buf[i] = static_cast<float>(x[i]);
+      return buf.data();
+    }
+#else
+    (void)nb, (void)k, (void)buf;
+#endif
+    return nullptr;
+  }
 }
 
 // x is read in its own dtype (T): a bf16 x needs no fp32 copy, every kernel widens it exactly.
@@ -364,6 +463,8 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
     if (splitphase_amx::linear(x, nb, k, start, wp, yp, team_rows, kChunksPerThread)) return;
   }
 #endif
+  std::vector<float> xbuf;
+  const float* xf = x_as_fp32(x, nb, k, xbuf);
   // One parallel range over the rows of all weights: each thread streams its share.
   splitphase_pool::parallel_chunks(start.back(), kGrainRows, team_rows, [&](int64_t begin, int64_t end) {
     if (nb == 1) {
@@ -375,7 +476,7 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
     }
     for (size_t j = 0; j < ws.size(); ++j) {
       int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
-      if (lo < hi) rows_n(wp[j], x, k, nb, lo - start[j], hi - start[j], ws[j].size(0), yp[j]);
+      if (lo < hi) rows_n(wp[j], x, xf, k, nb, lo - start[j], hi - start[j], ws[j].size(0), yp[j]);
     }
   }, kChunksPerThread);
 }
