@@ -3,8 +3,9 @@
 // step, and the weighted sum of values (P V). K tiles are packed transposed (D, 64) and V
 // tiles row-major (64, D), both contiguous, so every operand of the inner loops is a
 // contiguous 16-lane load or a broadcast; 6 rows x 4 vectors = 24 accumulators of 32 zmm.
-// A scalar version of each serves machines without AVX-512 (slower; the softmax shifts by
-// the exact running max, so results agree within rounding).
+// On a CPU with AVX2 and FMA but no AVX-512 the same pieces are ymm code
+// (attention_tiles_avx2.h); a scalar version of each serves the rest (slower; the softmax
+// shifts by the exact running max, so results agree within rounding).
 #pragma once
 #include <c10/util/BFloat16.h>
 
@@ -18,6 +19,12 @@
     defined(__AVX512DQ__) && defined(__BMI2__)
 #define SPLITPHASE_AVX512 1
 #include "simd.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPLITPHASE_AVX2_TILES 1
+#include <immintrin.h>
+#endif
+#if SPLITPHASE_AVX512 || SPLITPHASE_AVX2_TILES
+#define SPLITPHASE_VECTOR_TILES 1
 #endif
 
 namespace splitphase_tiles {
@@ -178,6 +185,8 @@ inline void softmax_rows(const float* s, P* p, int nr, const int64_t* valid, flo
     _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(lr, _mm512_set1_ps(alpha[r]), sum));
   }
 }
+#elif SPLITPHASE_AVX2_TILES
+#include "attention_tiles_avx2.h"
 #else
 template <int R, int NK>
 inline void qk_block(const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {

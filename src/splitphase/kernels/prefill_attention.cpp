@@ -345,9 +345,9 @@ bool set_amx_attention(bool on) {
 #endif
 }
 
-// Whether the tiles are vector code (AVX-512) in this build: without it they are scalar loops.
+// Whether the tiles are vector code (AVX-512 or AVX2) in this build, not scalar loops.
 bool prefill_attention_vectorized() {
-#if SPLITPHASE_AVX512
+#if SPLITPHASE_VECTOR_TILES
   return true;
 #else
   return false;

@@ -30,10 +30,11 @@ _vectorized: bool | None = None
 
 
 def vectorized() -> bool:
-    """Whether the loaded library's tiles are vector code (built for AVX-512). Without it they
-    are scalar loops, which on the AVX2-only AMD Zen 3 host (one layer of base-125m, fp32,
-    `bench/prefill_attention_ab.py`) took 2.0x SDPA's time at 512 tokens and 3.6x at 2048
-    (bf16: 1.7x and 3.1x): there SDPA takes prefill attention."""
+    """Whether the loaded library's tiles are vector code (built for AVX-512, or AVX2 with
+    FMA). Without either they are scalar loops, which on the AVX2-only AMD Zen 3 host (one
+    layer of base-125m, fp32, `bench/prefill_attention_ab.py`) took 2.0x SDPA's time at 512
+    tokens and 3.6x at 2048: there SDPA takes prefill attention. The AVX2 tiles took 0.55x
+    SDPA's time at 512 tokens and 0.74x at 2048 (bf16: 0.45x and 0.67x) on that host."""
     global _vectorized
     if _vectorized is None:
         _vectorized = build.available() and bool(
