@@ -54,7 +54,7 @@ inline void pv_block(const float* p, const float* v, int64_t n, int64_t col, con
   }
 }
 
-// 2^x as attention_tiles.h's exp2_16 (the same fitted polynomials for 2^f, f = x - floor(x)),
+// 2^x as attention_tiles.h's exp2_16 (its polynomial kExp2Poly for 2^f, f = x - floor(x)),
 // times 2^floor(x) put together in the exponent bits; x is clamped to [-127, 127] first, and
 // 2^-127 comes out as 0 (a zero exponent field), as VSCALEFPS gives 0 for a very negative x.
 template <int Deg>
@@ -63,20 +63,8 @@ inline __m256 exp2_8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
   const __m256 n = _mm256_floor_ps(x);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p;
-  if constexpr (Deg == 5) {
-    p = _mm256_set1_ps(1.877576578e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.989340626e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.582631752e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.401536107e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931530833e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999999404e-1f));
-  } else {
-    p = _mm256_set1_ps(7.802451402e-2f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.260671705e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.958335638e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.999251962e-1f));
-  }
+  __m256 p = _mm256_set1_ps(kExp2Poly<Deg>[0]);
+  for (int i = 1; i <= Deg; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly<Deg>[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

@@ -43,12 +43,20 @@ using splitphase_simd::vf;
 using splitphase_simd::zero;
 
 // out[r] = dot(w + r * stride, x) for four weight rows and one x row: four memory streams at
-// once (more misses in flight than one row at a time), x loaded once for all four.
-template <typename W, typename X>
-inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float* out) {
-  vf a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
+// once (more misses in flight than one row at a time), x loaded once for all four. For one
+// block of a longer k (the AVX2 tile): the sums start from `from` (zero where null) and end
+// in `to` (reduced into out where null). kAhead: prefetch the weight rows ahead.
+template <typename W, typename X, bool kAhead = false>
+inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float* out,
+                       const vf* from = nullptr, vf* to = nullptr) {
+  vf a0 = from ? from[0] : zero(), a1 = from ? from[1] : zero();
+  vf a2 = from ? from[2] : zero(), a3 = from ? from[3] : zero();
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
+    if (kAhead) {
+      for (int r = 0; r < 4; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + 1024, _MM_HINT_T0);
+    }
     vf xv = load16(x + i);
     a0 = fmadd(load16(w + i), xv, a0);
     a1 = fmadd(load16(w + stride + i), xv, a1);
@@ -62,7 +70,11 @@ inline void dot_4rows1(const W* w, int64_t stride, const X* x, int64_t k, float*
     a2 = fmadd(load_tail(w + 2 * stride + i, k - i), xv, a2);
     a3 = fmadd(load_tail(w + 3 * stride + i, k - i), xv, a3);
   }
-  reduce4(a0, a1, a2, a3, out);
+  if (to != nullptr) {
+    to[0] = a0, to[1] = a1, to[2] = a2, to[3] = a3;
+  } else {
+    reduce4(a0, a1, a2, a3, out);
+  }
 }
 
 // acc[b] = dot(w, x[b]) for b < nb (nb <= 4), x rows fp32 with stride k. Every path sums a
@@ -94,44 +106,11 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
 // The AVX2 tile: 4 weight rows x 1 x row, with k in blocks. Of 16 ymm registers a 4 x 1 tile
 // of 16 lanes (eight accumulators, weights as memory operands) is the largest that does not
 // spill, so a weight row is reused by one x row at a time, and must still be in L1 for the
-// next: four rows of a 3072-wide fp32 weight (48 KiB) are not, and the down projection took
-// 2.5x its FMA time in L2 reads. Blocks of kBlockK keep them there. Each (row, x row)
+// next: four rows of a 3072-wide fp32 weight (48 KiB) are not, and that weight ran at 72
+// GFLOP/s at 32-64 rows against 125-134 for 768-wide ones. Blocks of kBlockK keep them there. Each (row, x row)
 // accumulator is carried across blocks, so it sums the same 16-lane steps in the same order
 // as dot_rows4 and dot_4rows1 (batch-invariant). x is fp32 here (bf16 widened once a call).
 constexpr int64_t kBlockK = 768;  // a multiple of 16: only the last block has a tail
-
-// One block of the four rows' sums with one x row: from zero in the first block, else from
-// acc; then into acc, or, in the last block, reduced into out.
-template <typename W, bool kAhead>
-inline void block_4rows1(const W* w, int64_t stride, const float* x, int64_t kb, bool first,
-                         vf* acc, float* out) {
-  vf a0 = first ? zero() : acc[0], a1 = first ? zero() : acc[1];
-  vf a2 = first ? zero() : acc[2], a3 = first ? zero() : acc[3];
-  int64_t i = 0;
-  for (; i + 16 <= kb; i += 16) {
-    if (kAhead) {  // the first x row: the weight rows come from memory
-      for (int r = 0; r < 4; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + i) + 1024, _MM_HINT_T0);
-    }
-    vf xv = load16(x + i);
-    a0 = fmadd(load16(w + i), xv, a0);
-    a1 = fmadd(load16(w + stride + i), xv, a1);
-    a2 = fmadd(load16(w + 2 * stride + i), xv, a2);
-    a3 = fmadd(load16(w + 3 * stride + i), xv, a3);
-  }
-  if (i < kb) {
-    vf xv = load_tail(x + i, kb - i);
-    a0 = fmadd(load_tail(w + i, kb - i), xv, a0);
-    a1 = fmadd(load_tail(w + stride + i, kb - i), xv, a1);
-    a2 = fmadd(load_tail(w + 2 * stride + i, kb - i), xv, a2);
-    a3 = fmadd(load_tail(w + 3 * stride + i, kb - i), xv, a3);
-  }
-  if (out != nullptr) {
-    reduce4(a0, a1, a2, a3, out);
-  } else {
-    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
-  }
-}
 
 // The four bf16 rows of a block as fp32 in buf (rows kBlockK apart), prefetched ahead: the
 // widening, two instructions a vector, then costs once a block instead of once an x row.
@@ -159,15 +138,16 @@ inline void dot_4rows_all(const W* w, int64_t stride, const float* x, int64_t k,
     const int64_t kb = std::min(kBlockK, k - k0);
     const bool first = k0 == 0, last = k0 + kb == k;
     for (int b = 0; b < nb; ++b) {
-      float* o = last ? out[b] : nullptr;
+      const vf* from = first ? nullptr : acc[b];
+      vf* to = last ? nullptr : acc[b];
       const float* xb = x + b * k + k0;
       if constexpr (std::is_same_v<W, c10::BFloat16>) {
         if (b == 0) widen_block(w + k0, stride, kb, wbuf);
-        block_4rows1<float, false>(wbuf, kBlockK, xb, kb, first, acc[b], o);
+        dot_4rows1(wbuf, kBlockK, xb, kb, out[b], from, to);
       } else if (b == 0) {
-        block_4rows1<W, true>(w + k0, stride, xb, kb, first, acc[b], o);
+        dot_4rows1<W, float, true>(w + k0, stride, xb, kb, out[b], from, to);
       } else {
-        block_4rows1<W, false>(w + k0, stride, xb, kb, first, acc[b], o);
+        dot_4rows1(w + k0, stride, xb, kb, out[b], from, to);
       }
     }
   }
