@@ -107,9 +107,10 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
 // of 16 lanes (eight accumulators, weights as memory operands) is the largest that does not
 // spill, so a weight row is reused by one x row at a time, and must still be in L1 for the
 // next: four rows of a 3072-wide fp32 weight (48 KiB) are not, and that weight ran at 72
-// GFLOP/s at 32-64 rows against 125-134 for 768-wide ones. Blocks of kBlockK keep them there. Each (row, x row)
-// accumulator is carried across blocks, so it sums the same 16-lane steps in the same order
-// as dot_rows4 and dot_4rows1 (batch-invariant). x is fp32 here (bf16 widened once a call).
+// GFLOP/s at 32-64 rows against 125-134 for 768-wide ones. Blocks of kBlockK keep them there.
+// Each (row, x row) accumulator is carried across blocks, so it sums the same 16-lane steps in
+// the same order as dot_rows4 and dot_4rows1 (batch-invariant). x is fp32 here (bf16 widened
+// once a call).
 constexpr int64_t kBlockK = 768;  // a multiple of 16: only the last block has a tail
 
 // The four bf16 rows of a block as fp32 in buf (rows kBlockK apart), prefetched ahead: the
@@ -425,7 +426,8 @@ const float* x_as_fp32(const T* x, int nb, int64_t k, std::vector<float>& buf) {
   }
 }
 
-// x is read in its own dtype (T): a bf16 x needs no fp32 copy, every kernel widens it exactly.
+// x is read in its own dtype (T), except by the AVX2 tile, which reads a widened fp32 copy
+// of a bf16 x (x_as_fp32); widening is exact, so every path gives the same sums.
 template <typename T>
 void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<at::Tensor>& ys,
                  int64_t team_rows) {
