@@ -1,7 +1,9 @@
 """Decode step A/B in one process: the one-call native pass, the per-op native path, torch,
 and the one-call pass with the skinny kernel up to its own MAX_ROWS (`kernel_max`: no early
 hand-over to oneDNN's packed GEMM, `packed_linear.ONEDNN_MIN_ROWS`); where the kernel has AMX
-tiles, bf16 without them (`no_amx_tiles`) or handed to oneDNN past 8 rows (`onednn_past_8`).
+tiles, bf16 without them (`no_amx_tiles`) or handed to oneDNN past 8 rows (`onednn_past_8`);
+on an AVX2 build, every row count on the kernel's dot tile (`dot_tile`: its outer-product
+tile off).
 
 The variants alternate step by step (each on its own filled cache), so a busy spell on the
 shared machine hits all of them alike; each figure is the best step and the median.
@@ -37,6 +39,7 @@ class Variant(NamedTuple):
     onednn_min_rows: int  # rows from which oneDNN's packed GEMM takes over (fp32, bf16)
     amx_min_rows: int = skinny.AMX_MIN_ROWS  # bf16 rows from which the kernel uses AMX tiles
     amx_bf16_min_rows: int = packed_linear.AMX_BF16_MIN_ROWS  # oneDNN's bf16 rows with AMX
+    outer_min_rows: int = skinny.OUTER_MIN_ROWS  # rows from which the AVX2 outer tile serves
 
 
 ONEDNN = packed_linear.ONEDNN_MIN_ROWS
@@ -48,6 +51,8 @@ VARIANTS = {
     # Where the kernel has AMX tiles: bf16 on VDPBF16PS alone, or handed to oneDNN past 8 rows.
     "no_amx_tiles": Variant(True, True, ONEDNN, amx_min_rows=0),
     "onednn_past_8": Variant(True, True, ONEDNN, amx_bf16_min_rows=9),
+    # An AVX2 build: every row count on the 4 x 1 dot tile, none on the outer-product tile.
+    "dot_tile": Variant(True, True, ONEDNN, outer_min_rows=0),
 }
 
 
@@ -60,6 +65,8 @@ def _set(variant: str) -> None:
     packed_linear.AMX_BF16_MIN_ROWS = v.amx_bf16_min_rows
     if skinny.amx_kernel():
         torch.ops.splitphase.set_amx_min_rows(v.amx_min_rows)
+    if skinny.outer_tile():
+        torch.ops.splitphase.set_outer_min_rows(v.outer_min_rows)
 
 
 def _triad() -> float:

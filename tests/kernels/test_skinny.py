@@ -55,18 +55,50 @@ def test_bf16_within_one_rounding_of_torch(rows: int) -> None:
 @pytest.mark.parametrize("in_features", [100, 1800])  # 1800: blocks of k, a tail in the last
 def test_row_results_do_not_depend_on_row_count(dtype: torch.dtype, in_features: int) -> None:
     """Batch-invariant decode: a row's result is the same whether it is alone, in a tile of
-    four, or in a batch the tiles do not divide."""
+    four, or in a batch the tiles do not divide; on an AVX2 build, within each side of
+    OUTER_MIN_ROWS (the outer-product tile sums in another order)."""
     g = torch.Generator().manual_seed(0)
     rows = 23
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     ws = [torch.randn(n, in_features, generator=g).to(dtype) for n in (50, 7)]
+    low = skinny.OUTER_MIN_ROWS - 1 if skinny.outer_tile() else rows
     with torch.inference_mode():
         full = torch.ops.splitphase.skinny_linear(x, ws)
+        head = torch.ops.splitphase.skinny_linear(x[:low], ws)  # the dot tile's side
+        tail = torch.ops.splitphase.skinny_linear(x[rows - low:], ws)
         for n in range(1, rows):
+            for y, f, h in zip(torch.ops.splitphase.skinny_linear(x[:n], ws), full, head,
+                               strict=True):
+                assert torch.equal(y, f[:n] if n > low else h[:n])
+            for y, f, t in zip(torch.ops.splitphase.skinny_linear(x[n:], ws), full, tail,
+                               strict=True):
+                assert torch.equal(y, f[n:] if rows - n > low else t[low - (rows - n):])
+
+
+@pytest.mark.skipif(not skinny.outer_tile(), reason="no AVX2 outer-product tile in this build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outer_tile_is_exact_to_rounding_row_count_invariant_and_used(dtype: torch.dtype) -> None:
+    """64 rows (the most a call takes), k in three blocks (the last partial), weights whose
+    rows the six-row tiles do not divide."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 1800, generator=g).to(dtype)
+    ws = [torch.randn(n, 1800, generator=g).to(dtype) for n in (50, 7, 13)]
+    with torch.inference_mode():
+        full = torch.ops.splitphase.skinny_linear(x, ws)
+        for y, w in zip(full, ws, strict=True):
+            exact = x.double() @ w.double().T
+            tol = 1e-4 if dtype == torch.float32 else 2**-7
+            torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * 40)
+        for n in range(skinny.OUTER_MIN_ROWS, 64, 5):
             for y, f in zip(torch.ops.splitphase.skinny_linear(x[:n], ws), full, strict=True):
                 assert torch.equal(y, f[:n])
-            for y, f in zip(torch.ops.splitphase.skinny_linear(x[n:], ws), full, strict=True):
-                assert torch.equal(y, f[n:])
+        try:  # the tile gave those: with it off the dot tile sums in another order
+            torch.ops.splitphase.set_outer_min_rows(0)
+            dot = torch.ops.splitphase.skinny_linear(x, ws)
+        finally:
+            torch.ops.splitphase.set_outer_min_rows(skinny.OUTER_MIN_ROWS)
+        if dtype == torch.float32:  # bf16's rounding of the output can hide the difference
+            assert not all(torch.equal(a, f) for a, f in zip(dot, full, strict=True))
 
 
 @needs_kernel

@@ -21,7 +21,7 @@
 #include "simd.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SPLITPHASE_AVX2_TILES 1
-#include <immintrin.h>
+#include "simd.h"
 #endif
 #if SPLITPHASE_AVX512 || SPLITPHASE_AVX2_TILES
 #define SPLITPHASE_VECTOR_TILES 1

@@ -96,9 +96,7 @@ inline void softmax_rows(const float* s, P* p, int nr, const int64_t* valid, flo
     const __m256 scaled = _mm256_mul_ps(mx, cv);  // the scale is > 0: max commutes with it
     const __m256 above = _mm256_cmp_ps(scaled, _mm256_set1_ps(m[r] + kShiftSlack), _CMP_GT_OQ);
     if (_mm256_movemask_ps(above)) {
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(scaled), _mm256_extractf128_ps(scaled, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float m_new = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const float m_new = splitphase_simd::reduce8_max(scaled);
       alpha[r] = _mm256_cvtss_f32(exp2_8<Deg>(_mm256_set1_ps(m[r] - m_new)));
       m[r] = m_new;
     }

@@ -93,12 +93,12 @@ inline float reduce8_add(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline float reduce_add(vf a) { return reduce8_add(_mm256_add_ps(a.lo, a.hi)); }
-inline float reduce_max(vf a) {
-  __m256 v = _mm256_max_ps(a.lo, a.hi);
+inline float reduce8_max(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
+inline float reduce_max(vf a) { return reduce8_max(_mm256_max_ps(a.lo, a.hi)); }
 
 // 2^n for integral n in [-64, 64] (exact, normal).
 inline __m256 pow2_8(__m256 n) {

@@ -38,6 +38,14 @@ AMX_MAX_ROWS = 32
 # bfloat16`, base-125m's MLP linears) the kernel took 0.31-0.54x its time from 1 to 64 rows.
 KERNEL_ROWS = 64
 
+# On an AVX2 build (no AVX-512), calls of OUTER_MIN_ROWS rows or more take the outer-product
+# tile (`skinny_outer_avx2.h`). On the Zen 3 host, base-125m's layer linears (12 layers of
+# distinct weights, one process, the tile switched on and off in turn) took 0.82x the dot
+# tile's time at 16 rows, 0.83-0.88x at 32, 0.83x at 48, 0.85x at 64 in fp32; bf16 0.83x at 16,
+# 0.77x at 32, 0.85x at 64; the same at 12 rows, 1.2-1.3x at 8. A row's result is the same for
+# any row count from OUTER_MIN_ROWS on, and for any below it, but not across it.
+OUTER_MIN_ROWS = 12
+
 
 _SWITCH = Switch()
 
@@ -64,6 +72,19 @@ def amx_kernel() -> bool:
         _amx_kernel = build.available() and bool(
             torch.ops.splitphase.set_amx_min_rows(AMX_MIN_ROWS))
     return _amx_kernel
+
+
+_outer_tile: bool | None = None
+
+
+def outer_tile() -> bool:
+    """Whether the loaded library has the AVX2 outer-product tile; the first call also sets the
+    rows from which it serves (OUTER_MIN_ROWS)."""
+    global _outer_tile
+    if _outer_tile is None:
+        _outer_tile = build.available() and bool(
+            torch.ops.splitphase.set_outer_min_rows(OUTER_MIN_ROWS))
+    return _outer_tile
 
 
 def own_rows(dtype: torch.dtype) -> int:

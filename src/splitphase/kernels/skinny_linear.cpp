@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <type_traits>
 
@@ -21,6 +22,9 @@
 #include <vector>
 
 #include "simd.h"
+#if SPLITPHASE_AVX2
+#include "skinny_outer_avx2.h"
+#endif
 
 namespace {
 
@@ -103,6 +107,14 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
   for (int b = 0; b < nb; ++b) out[b] = s[b];
 }
 #if SPLITPHASE_AVX2
+// Calls of at least this many rows take the outer-product tile (skinny_outer_avx2.h; 0: none;
+// skinny.OUTER_MIN_ROWS). It pads x to 16 rows, which below 12 costs more than the tile gains:
+// base-125m's layer linears at 8 rows took 1.2-1.3x the dot tile's time, at 12 the same.
+std::atomic<int64_t>& outer_min_rows() {
+  static std::atomic<int64_t> rows{12};
+  return rows;
+}
+
 // The AVX2 tile: 4 weight rows x 1 x row, with k in blocks. Of 16 ymm registers a 4 x 1 tile
 // of 16 lanes (eight accumulators, weights as memory operands) is the largest that does not
 // spill, so a weight row is reused by one x row at a time, and must still be in L1 for the
@@ -445,10 +457,33 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
     if (splitphase_amx::linear(x, nb, k, start, wp, yp, team_rows, kChunksPerThread)) return;
   }
 #endif
-  std::vector<float> xbuf;
+  // Kept between calls: a widened or transposed x is up to 64 x k floats (786 KB at k = 3072),
+  // a malloc and page faults every linear of every step otherwise. Only this thread writes it;
+  // the helpers read it inside parallel_chunks, which returns before the next call.
+  thread_local std::vector<float> xbuf;
+#if SPLITPHASE_AVX2
+  const int64_t outer_from = outer_min_rows().load(std::memory_order_relaxed);
+  const bool outer = outer_from > 0 && nb >= outer_from;
+  if (outer) splitphase_outer::transpose_x(x, nb, k, xbuf);
+  const float* xf = outer ? xbuf.data() : x_as_fp32(x, nb, k, xbuf);
+#else
+  constexpr bool outer = false;
   const float* xf = x_as_fp32(x, nb, k, xbuf);
+#endif
   // One parallel range over the rows of all weights: each thread streams its share.
   splitphase_pool::parallel_chunks(start.back(), kGrainRows, team_rows, [&](int64_t begin, int64_t end) {
+    if (outer) {
+#if SPLITPHASE_AVX2
+      for (size_t j = 0; j < ws.size(); ++j) {
+        int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
+        if (lo < hi) {
+          splitphase_outer::rows(wp[j], xf, nb, k, lo - start[j], hi - start[j], ws[j].size(0),
+                                 yp[j]);
+        }
+      }
+#endif
+      return;
+    }
     if (nb == 1) {
       for (size_t j = 0; j < ws.size(); ++j) {  // the part of the chunk in each weight
         int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
@@ -492,6 +527,18 @@ static void set_helper_max_rows(int64_t rows) {
   splitphase_pool::helper_max_rows().store(rows, std::memory_order_relaxed);
 }
 
+// Calls of at least `rows` rows take the AVX2 outer-product tile (0: never); returns whether
+// this build has it.
+static bool set_outer_min_rows(int64_t rows) {
+#if SPLITPHASE_AVX2
+  outer_min_rows().store(rows, std::memory_order_relaxed);
+  return true;
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
 // bf16 calls of at least `rows` rows (up to 32) take AMX tiles where built and permitted
 // (0: never); returns whether this build and process have them.
 static bool set_amx_min_rows(int64_t rows) {
@@ -510,6 +557,7 @@ TORCH_LIBRARY(splitphase, m) {
   m.def("skinny_linear(Tensor x, Tensor[] ws, int pass_rows=0) -> Tensor[]");
   m.def("set_helper_max_rows(int rows) -> ()");
   m.def("set_amx_min_rows(int rows) -> bool");
+  m.def("set_outer_min_rows(int rows) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
@@ -519,4 +567,5 @@ TORCH_LIBRARY_IMPL(splitphase, CPU, m) {
 TORCH_LIBRARY_IMPL(splitphase, CatchAll, m) {
   m.impl("set_helper_max_rows", &splitphase_ops::set_helper_max_rows);
   m.impl("set_amx_min_rows", &splitphase_ops::set_amx_min_rows);
+  m.impl("set_outer_min_rows", &splitphase_ops::set_outer_min_rows);
 }
