@@ -115,13 +115,17 @@ def test_kernel_is_used_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) ->
     with torch.inference_mode():
         skinny.linear(torch.randn(1, 3, 32), w)
         # Past max_rows a packed GEMM comes first; a call it left (the packing budget full)
-        # still takes the kernel up to MAX_ROWS.
-        skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32], 32), w)
-        skinny.linear(torch.randn(skinny.MAX_ROWS[torch.float32] + 1, 32), w)  # above: torch
+        # still takes the kernel up to own_rows (MAX_ROWS, or all its rows with the AVX2
+        # outer-product tile).
+        fp32_rows = skinny.own_rows(torch.float32)
+        skinny.linear(torch.randn(fp32_rows, 32), w)
+        skinny.linear(torch.randn(fp32_rows + 1, 32), w)  # above: torch
         above_bf16 = torch.randn(skinny.own_rows(torch.bfloat16) + 1, 32).bfloat16()
         skinny.linear(above_bf16, w.bfloat16())  # above the bf16 limit: torch
         skinny.linear(torch.randn(2, 32).half(), w.half())  # fp16: torch
-    assert calls == [3, skinny.MAX_ROWS[torch.float32]]
+    assert fp32_rows == (skinny.KERNEL_ROWS if skinny.outer_tile() else
+                         skinny.MAX_ROWS[torch.float32])
+    assert calls == [3, fp32_rows]
 
 
 @pytest.mark.skipif(packed_linear.backends() != ["mkl", "onednn"], reason="needs both GEMMs")
@@ -133,9 +137,9 @@ def test_kernel_hands_over_to_onednn_earlier_than_to_mkl() -> None:
             assert skinny.max_rows(bf16) == packed_linear.min_rows(bf16) - 1
         assert packed_linear.min_rows(fp32) == packed_linear.ONEDNN_MIN_ROWS
         with packed_linear.switched(False):
-            assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
+            assert skinny.max_rows(fp32) == skinny.own_rows(fp32)
     with packed_linear.using_backend("mkl"):
-        assert skinny.max_rows(fp32) == skinny.MAX_ROWS[fp32]
+        assert skinny.max_rows(fp32) == skinny.own_rows(fp32)
         assert packed_linear.min_rows(fp32) == packed_linear.MIN_ROWS
         if packed_gemms.takes("onednn", bf16):
             bf16_from = (packed_linear.AMX_BF16_MIN_ROWS if amx.AMX_TILES
@@ -154,7 +158,8 @@ def test_bf16_keeps_the_kernel_to_its_limit_where_no_gemm_packs_bf16(
     monkeypatch.setattr(skinny, "_amx_kernel", False)
     monkeypatch.setattr(packed_linear, "backend_for", lambda dtype: None)
     assert skinny.own_rows(bf16) == skinny.max_rows(bf16) == skinny.KERNEL_ROWS
-    assert skinny.own_rows(torch.float32) == skinny.MAX_ROWS[torch.float32]
+    fp32_rows = skinny.KERNEL_ROWS if skinny.outer_tile() else skinny.MAX_ROWS[torch.float32]
+    assert skinny.own_rows(torch.float32) == fp32_rows
     g = torch.Generator().manual_seed(5)
     x = torch.randn(skinny.KERNEL_ROWS, 96, generator=g).bfloat16()
     w = (torch.randn(40, 96, generator=g) * 0.1).bfloat16()

@@ -93,6 +93,11 @@ def own_rows(dtype: torch.dtype) -> int:
         return AMX_MAX_ROWS
     if dtype == torch.bfloat16 and packed_linear.backend_for(dtype) is None:
         return KERNEL_ROWS
+    if dtype == torch.float32 and outer_tile():
+        # Its outer-product tile outruns torch's and MKL's packed GEMM to the kernel's last
+        # row (Zen 3, `bench/skinny_rows.py`: at 48 rows torch/kernel 1.36, packed/kernel 1.45;
+        # at 64 1.18 and 1.25).
+        return KERNEL_ROWS
     return MAX_ROWS.get(dtype, 0)
 
 
