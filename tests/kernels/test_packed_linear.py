@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitphase.kernels import gemm_choice, packed_gemms, packed_linear
+from splitphase.kernels import gemm_choice, packed_budget, packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Linear
 from splitphase.model.transformer import Transformer
@@ -126,9 +126,9 @@ def test_the_real_probe_times_a_gemm(gemm: str) -> None:
 
 
 @pytest.fixture
-def budget(monkeypatch: pytest.MonkeyPatch) -> packed_linear._Budget:
+def budget(monkeypatch: pytest.MonkeyPatch) -> packed_budget.Budget:
     """A fresh `auto` budget for the test: its limit is set by the test, not by the machine."""
-    fresh = packed_linear._Budget(limited=True)
+    fresh = packed_budget.Budget(limited=True)
     monkeypatch.setattr(packed_linear, "_BUDGET", fresh)
     return fresh
 

@@ -16,13 +16,13 @@ copies and the Q/K/V stack, 457 MiB more resident), kept next to the weight that
 skinny kernel reads. Packing is lazy (the first prefill-shaped call per weight), so a model
 that only trains or decodes never pays it. `SPLITPHASE_PACKED_PREFILL` says how much: `auto`
 (the default) packs while all packed copies together, counted as allocated, take at most
-`AUTO_MEMORY_FRACTION` of the memory available when the first is made (base-125m fp32: under
-5% of this 24 GiB machine; a model too big for the budget keeps torch's linear for the weights
-past it); `1`/`on` packs every weight; `0`/`off` none. On the 2-core machine, quiet,
-`bench/prefill_ab.py` measured packed prefills at 0.906x and 0.927x the time of torch's linear
-at 512 and 2048 tokens, and in a later run torch's linear (`--variants model unpacked`) at
-1.083x and 1.020x the packed time (once element-wise passes and attention ran on torch's
-OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
+`packed_budget.AUTO_MEMORY_FRACTION` of the memory available when the first is made
+(base-125m fp32: under 5% of this 24 GiB machine; a model too big for the budget keeps torch's
+linear for the weights past it); `1`/`on` packs every weight; `0`/`off` none. On the 2-core
+machine, quiet, `bench/prefill_ab.py` measured packed prefills at 0.906x and 0.927x the time
+of torch's linear at 512 and 2048 tokens, and in a later run torch's linear (`--variants model
+unpacked`) at 1.083x and 1.020x the packed time (once element-wise passes and attention ran on
+torch's OpenMP team; before that, 1.046x and 0.98x, not worth the memory).
 
 Which packed GEMM depends on the CPU, so a process picks one (`backend()`): MKL's is as fast as
 it gets on the Intel hosts it was measured on, where oneDNN's (`mkldnn._reorder_linear_weight`
@@ -52,8 +52,7 @@ import torch
 
 from splitphase.errors import UserError
 from splitphase.hardware.cpuinfo import cpu_has_avx512, cpu_vendor
-from splitphase.hardware.memory import available_host_memory_bytes
-from splitphase.kernels import amx, gemm_choice, packed_gemms
+from splitphase.kernels import amx, gemm_choice, packed_budget, packed_gemms
 from splitphase.kernels.packed_gemms import GEMMS, HAVE
 from splitphase.kernels.switch import Switch, switch_functions
 
@@ -80,41 +79,12 @@ ONEDNN_MIN_ROWS = 5
 AMX_BF16_MIN_ROWS = 33
 
 
-# The share of available memory packed copies may take under `auto`: a few percent leaves the
-# KV cache (a quarter of free memory by default) and the OS theirs.
-AUTO_MEMORY_FRACTION = 0.10
-
 _MODE = os.environ.get("SPLITPHASE_PACKED_PREFILL", "auto").lower()
 if _MODE not in ("auto", "1", "on", "0", "off"):
     raise UserError(f"SPLITPHASE_PACKED_PREFILL must be auto, on or off, got {_MODE!r}")
 _SWITCH = Switch(on=_MODE != "0" and _MODE != "off")
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Budget:
-    """Bytes of packed copies alive in this process against the `auto` limit (none when on)."""
-
-    def __init__(self, limited: bool) -> None:
-        self.limited = limited
-        self.limit_bytes: int | None = None
-        self.used_bytes = 0
-
-    def admit(self, nbytes: int) -> bool:
-        if self.limited and self.limit_bytes is None:
-            self.limit_bytes = int(AUTO_MEMORY_FRACTION * available_host_memory_bytes())
-        if self.limit_bytes is not None and self.used_bytes + nbytes > self.limit_bytes:
-            return False
-        self.used_bytes += nbytes
-        return True
-
-    def release(self, nbytes: int) -> None:
-        self.used_bytes -= nbytes
-
-
-_BUDGET = _Budget(limited=_MODE == "auto")
+_BUDGET = packed_budget.Budget(limited=_MODE == "auto")
 
 
 # Under `auto`, the probe must find the other backend clearly faster to leave the one this
@@ -318,7 +288,7 @@ class PackedWeight:
             plain = stacked if gemm.needs_plain else None
             # a stack (or fp32 copy) kept only for MKL's fallback
             extra = plain is not None and (len(ws) > 1 or widen)
-            nbytes = _nbytes(packed) + (_nbytes(stacked) if extra else 0)
+            nbytes = packed_budget.nbytes(packed) + (packed_budget.nbytes(stacked) if extra else 0)
             if not _BUDGET.admit(nbytes):
                 self._refused = key
                 return None
