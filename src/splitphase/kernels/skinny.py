@@ -40,10 +40,11 @@ KERNEL_ROWS = 64
 
 # On an AVX2 build (no AVX-512), calls of OUTER_MIN_ROWS rows or more take the outer-product
 # tile (`skinny_outer_avx2.h`). On the Zen 3 host, base-125m's layer linears (12 layers of
-# distinct weights, one process, the tile switched on and off in turn) took 0.82x the dot
-# tile's time at 16 rows, 0.83-0.88x at 32, 0.83x at 48, 0.85x at 64 in fp32; bf16 0.83x at 16,
-# 0.77x at 32, 0.85x at 64; the same at 12 rows, 1.2-1.3x at 8. A row's result is the same for
-# any row count from OUTER_MIN_ROWS on, and for any below it, but not across it.
+# distinct weights, one process, the tile switched on and off in turn: bench/outer_tile_ab.py
+# and a script like it) took 0.73-0.83x the dot tile's time at 16 rows, 0.84-0.88x at 32,
+# 0.90-0.94x at 48, 0.84-0.91x at 64 in fp32; bf16 0.89x at 16, 0.91x at 32, 0.86x at 64; the
+# same at 12 rows, 1.24x at 8. A row's result is the same for any row count from
+# OUTER_MIN_ROWS on, and for any below it, but not across it.
 OUTER_MIN_ROWS = 12
 
 

@@ -3,9 +3,8 @@
 // it is bound by loads, not by the two FMA pipes: 78-116 GFLOP/s on the Zen 3 host where MKL's
 // square GEMMs reach 180. Here x is transposed once a call into xt (k x mp, mp = rows rounded
 // up to 16, zero-padded), and a tile is 16 x rows by 6 weight rows: per k, two x vectors and
-// six broadcast weight scalars feed twelve multiply-adds. Measured in one process, alternating
-// with the dot tile (2 threads, 12 layers of distinct weights): 3072x768 1.6x at 16 rows, 1.18x
-// at 32, 1.24x at 64; 768x3072 1.23x and 1280x768 1.38x at 32.
+// six broadcast weight scalars feed twelve multiply-adds (bench/outer_tile_ab.py; the figures
+// are at skinny.OUTER_MIN_ROWS).
 // Every output sums its k products in one lane, in k order, in chains of kChain added to a
 // running total, whatever the row count: results do not depend on how many rows share the
 // call, within this tile's rows (the dot tile below them sums in another order).
