@@ -18,6 +18,8 @@ def test_prefill_flops_match_flop_counter(name):
     n = 64
     ids = torch.randint(0, cfg.vocab_size, (1, n))
     build.status()  # native ops (and their FLOP formulas) in place before the counter copies them
+    with torch.no_grad():  # first-use work (the packed GEMM's probe, packing) outside the count
+        model(ids)
     # The counter sees SDPA only through the math backend; it counts full N^2 attention, and the
     # native prefill attention the same way.
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():

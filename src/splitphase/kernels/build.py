@@ -101,9 +101,11 @@ def _try_load() -> KernelStatus:
 
 def _on_load() -> None:
     """What needs the ops registered: FLOP formulas for torch's counter, fakes for dynamo."""
-    from splitphase.kernels import fake, prefill_attention  # prefill_attention imports this
+    # These modules import this one.
+    from splitphase.kernels import fake, prefill_attention, skinny
 
     prefill_attention.register_flops()
+    skinny.register_flops()
     fake.register()
 
 
