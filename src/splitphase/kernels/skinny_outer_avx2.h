@@ -1,4 +1,4 @@
-// The skinny kernel's tile for 8 to 64 rows of x on AVX2 (no AVX-512): outer products. Its
+// The skinny kernel's tile for 12 to 64 rows of x on AVX2 (no AVX-512): outer products. Its
 // 4 x 1 dot tile (skinny_linear.cpp) loads five vectors for four multiply-adds, so at 16-64 rows
 // it is bound by loads, not by the two FMA pipes: 78-116 GFLOP/s on the Zen 3 host where MKL's
 // square GEMMs reach 180. Here x is transposed once a call into xt (k x mp, mp = rows rounded
@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace splitphase_outer {
 namespace {  // one translation unit includes it: no exported, interposable copies
 
@@ -25,22 +27,22 @@ constexpr int kCols = 6;        // weight rows a tile: 12 accumulators + 2 x + 1
 constexpr int64_t kOuterBlockK = 768;  // k a pass: a 6-row bf16 block widens to 18 KiB
 constexpr int64_t kChain = 128;  // products a lane sums before adding them to its total
 
+// xt's row length for nb rows of x.
+inline int64_t padded_rows(int nb) { return (nb + kRowsBlock - 1) / kRowsBlock * kRowsBlock; }
+
 // x (nb rows of k, row-major) as xt: k rows of mp floats, rows past nb zero.
 template <typename T>
 void transpose_x(const T* x, int nb, int64_t k, std::vector<float>& xt) {
-  const int64_t mp = (nb + kRowsBlock - 1) / kRowsBlock * kRowsBlock;
+  const int64_t mp = padded_rows(nb);
   xt.assign(static_cast<size_t>(k * mp), 0.f);
   for (int b = 0; b < nb; ++b)
     for (int64_t i = 0; i < k; ++i) xt[i * mp + b] = static_cast<float>(x[b * k + i]);
 }
 
-// out[i] = w[i] as fp32 for i < n: a bf16 is the high half of its fp32.
+// out[i] = w[i] as fp32 for i < n (exact).
 inline void widen(const c10::BFloat16* w, int64_t n, float* out) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
+  for (; i + 16 <= n; i += 16) splitphase_simd::store16(out + i, splitphase_simd::load16(w + i));
   for (; i < n; ++i) out[i] = static_cast<float>(w[i]);
 }
 
@@ -117,7 +119,7 @@ void columns(const T* w, const float* xt, int64_t mp, int64_t k, int64_t k0, int
 template <typename T>
 void rows(const T* w, const float* xt, int nb, int64_t k, int64_t lo, int64_t hi, int64_t width,
           T* y) {
-  const int64_t mp = (nb + kRowsBlock - 1) / kRowsBlock * kRowsBlock;
+  const int64_t mp = padded_rows(nb);
   const int64_t blocks = (hi - lo + kCols - 1) / kCols;
   thread_local std::vector<float> acc;
   acc.resize(static_cast<size_t>(blocks * mp * kCols));
