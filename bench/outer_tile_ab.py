@@ -28,8 +28,7 @@ MODES = {"dot": 0, "outer": skinny.OUTER_MIN_ROWS}
 def _weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, list[list[torch.Tensor]]]:
     """Per linear, per layer, the weights one call takes."""
     d, f = cfg.d_model, cfg.d_ff
-    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    shapes = {"qkv": [(qkv, d)], "o": [(d, cfg.n_heads * cfg.head_dim)],
+    shapes = {"qkv": [(cfg.q_dim + 2 * cfg.kv_dim, d)], "o": [(d, cfg.q_dim)],
               "gate_up": [(f, d), (f, d)], "down": [(d, f)]}
     return {name: [[(torch.randn(o, i) * 0.02).to(dtype) for o, i in parts]
                    for _ in range(cfg.n_layers)] for name, parts in shapes.items()}

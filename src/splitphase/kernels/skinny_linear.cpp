@@ -472,28 +472,19 @@ void linear_impl(const T* x, int nb, int64_t k, at::TensorList ws, std::vector<a
 #endif
   // One parallel range over the rows of all weights: each thread streams its share.
   splitphase_pool::parallel_chunks(start.back(), kGrainRows, team_rows, [&](int64_t begin, int64_t end) {
-    if (outer) {
+    for (size_t j = 0; j < ws.size(); ++j) {  // the part of the chunk in each weight
+      const int64_t lo = std::max(begin, start[j]) - start[j];
+      const int64_t hi = std::min(end, start[j + 1]) - start[j];
+      if (lo >= hi) continue;
+      if (outer) {
 #if SPLITPHASE_AVX2
-      for (size_t j = 0; j < ws.size(); ++j) {
-        int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
-        if (lo < hi) {
-          splitphase_outer::rows(wp[j], xf, nb, k, lo - start[j], hi - start[j], ws[j].size(0),
-                                 yp[j]);
-        }
-      }
+        splitphase_outer::rows(wp[j], xf, nb, k, lo, hi, ws[j].size(0), yp[j]);
 #endif
-      return;
-    }
-    if (nb == 1) {
-      for (size_t j = 0; j < ws.size(); ++j) {  // the part of the chunk in each weight
-        int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
-        if (lo < hi) rows1(wp[j], x, k, lo - start[j], hi - start[j], yp[j]);
+      } else if (nb == 1) {
+        rows1(wp[j], x, k, lo, hi, yp[j]);
+      } else {
+        rows_n(wp[j], x, xf, k, nb, lo, hi, ws[j].size(0), yp[j]);
       }
-      return;
-    }
-    for (size_t j = 0; j < ws.size(); ++j) {
-      int64_t lo = std::max(begin, start[j]), hi = std::min(end, start[j + 1]);
-      if (lo < hi) rows_n(wp[j], x, xf, k, nb, lo - start[j], hi - start[j], ws[j].size(0), yp[j]);
     }
   }, kChunksPerThread);
 }
