@@ -77,12 +77,16 @@ def test_row_results_do_not_depend_on_row_count(dtype: torch.dtype, in_features:
 
 @pytest.mark.skipif(not skinny.outer_tile(), reason="no AVX2 outer-product tile in this build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_outer_tile_is_exact_to_rounding_row_count_invariant_and_used(dtype: torch.dtype) -> None:
-    """64 rows (the most a call takes), k in three blocks (the last partial), weights whose
-    rows the six-row tiles do not divide."""
+@pytest.mark.parametrize("in_features", [1800, 1024])  # 1024: fp32 rows 4 KiB apart alias in L1
+def test_outer_tile_is_exact_to_rounding_row_count_invariant_and_used(
+    dtype: torch.dtype, in_features: int
+) -> None:
+    """64 rows (the most a call takes), k in blocks (the last partial), weights whose rows the
+    tiles do not divide; row counts that leave 8 rows to the narrow tile (17, 37, 52) or
+    none."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(64, 1800, generator=g).to(dtype)
-    ws = [torch.randn(n, 1800, generator=g).to(dtype) for n in (50, 7, 13)]
+    x = torch.randn(64, in_features, generator=g).to(dtype)
+    ws = [torch.randn(n, in_features, generator=g).to(dtype) for n in (50, 7, 13)]
     with torch.inference_mode():
         full = torch.ops.splitphase.skinny_linear(x, ws)
         for y, w in zip(full, ws, strict=True):
@@ -95,8 +99,11 @@ def test_outer_tile_is_exact_to_rounding_row_count_invariant_and_used(dtype: tor
         try:  # the tile gave those: with it off the dot tile sums in another order
             torch.ops.splitphase.set_outer_min_rows(0)
             dot = torch.ops.splitphase.skinny_linear(x, ws)
+            torch.ops.splitphase.set_outer_min_rows(8)  # 8 rows: the narrow tile alone
+            eight = torch.ops.splitphase.skinny_linear(x[:8], ws)
         finally:
             torch.ops.splitphase.set_outer_min_rows(skinny.OUTER_MIN_ROWS)
+        assert all(torch.equal(y, f[:8]) for y, f in zip(eight, full, strict=True))
         if dtype == torch.float32:  # bf16's rounding of the output can hide the difference
             assert not all(torch.equal(a, f) for a, f in zip(dot, full, strict=True))
 

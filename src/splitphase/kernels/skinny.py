@@ -48,8 +48,8 @@ KERNEL_ROWS = 64
 # distinct weights, one process, the tile switched on and off in turn: bench/outer_tile_ab.py
 # and a script like it) took 0.73-0.83x the dot tile's time at 16 rows, 0.84-0.88x at 32,
 # 0.90-0.94x at 48, 0.84-0.91x at 64 in fp32; bf16 0.89x at 16, 0.91x at 32, 0.86x at 64; the
-# same at 12 rows, 1.24x at 8. A row's result is the same for any row count from
-# OUTER_MIN_ROWS on, and for any below it, but not across it.
+# same at 11-12 rows, 1.08-1.20x at 9-10 (padded to 16). A row's result is the same for any row
+# count from OUTER_MIN_ROWS on, and for any below it, but not across it.
 OUTER_MIN_ROWS = 12
 
 

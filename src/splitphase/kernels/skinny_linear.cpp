@@ -108,8 +108,10 @@ inline void dot_rows4(const W* w, const X* x, int64_t k, int nb, float* out) {
 }
 #if SPLITPHASE_AVX2
 // Calls of at least this many rows take the outer-product tile (skinny_outer_avx2.h; 0: none;
-// skinny.OUTER_MIN_ROWS). It pads x to 16 rows, which below 12 costs more than the tile gains:
-// base-125m's layer linears at 8 rows took 1.24x the dot tile's time, at 12 the same.
+// skinny.OUTER_MIN_ROWS). It pads x to a multiple of 8 rows, so 9-15 rows to 16, which below
+// 12 costs more than the tiles gain: base-125m's layer linears at 9-10 rows took 1.08-1.20x
+// the dot tile's time, at 11-12 the same. At exactly 8 the narrow tile alone took 0.87-0.90x:
+// not enough to split the row counts that share a result (skinny_outer_avx2.h) in two ranges.
 std::atomic<int64_t>& outer_min_rows() {
   static std::atomic<int64_t> rows{12};
   return rows;

@@ -1,19 +1,21 @@
-// The skinny kernel's tile for 12 to 64 rows of x on AVX2 (no AVX-512): outer products. Its
+// The skinny kernel's tiles for 12 to 64 rows of x on AVX2 (no AVX-512): outer products. Its
 // 4 x 1 dot tile (skinny_linear.cpp) loads five vectors for four multiply-adds, so at 16-64 rows
 // it is bound by loads, not by the two FMA pipes: 78-116 GFLOP/s on the Zen 3 host where MKL's
 // square GEMMs reach 180. Here x is transposed once a call into xt (k x mp, mp = rows rounded
-// up to 16, zero-padded), and a tile is 16 x rows by 6 weight rows: per k, two x vectors and
-// six broadcast weight scalars feed twelve multiply-adds (bench/outer_tile_ab.py; the figures
-// are at skinny.OUTER_MIN_ROWS).
+// up to 8, zero-padded). The wide tile is 16 x rows by 6 weight rows: per k, two x vectors and
+// six broadcast weight scalars feed twelve multiply-adds. Where 8 rows are left over (24, 40,
+// 56 rows, which used to pad to 32, 48, 64) the narrow tile takes them: 8 x rows by 12 weight
+// rows, one x vector and twelve broadcasts a k. Figures: bench/outer_tile_ab.py.
 // Every output sums its k products in one lane, in k order, in chains of kChain added to a
-// running total, whatever the row count: results do not depend on how many rows share the
-// call, within this tile's rows (the dot tile below them sums in another order).
+// running total, in either tile and whatever the row count: results do not depend on how many
+// rows share the call, within these tiles' rows (the dot tile below them sums in another order).
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -22,13 +24,15 @@
 namespace splitphase_outer {
 namespace {  // one translation unit includes it: no exported, interposable copies
 
-constexpr int kRowsBlock = 16;  // x rows a tile: two ymm
-constexpr int kCols = 6;        // weight rows a tile: 12 accumulators + 2 x + 1 broadcast
-constexpr int64_t kOuterBlockK = 768;  // k a pass: a 6-row bf16 block widens to 18 KiB
+constexpr int kRowsBlock = 16;  // x rows of the wide tile (two ymm); the narrow tile takes 8
+constexpr int kWideCols = 6;    // weight rows of the wide tile: 12 accumulators + 2 x + 1 broadcast
+constexpr int kCols = 12;       // weight rows of the narrow tile (12 + 1 + 1), two wide tiles'
+constexpr int64_t kOuterBlockK = 768;  // k a pass
 constexpr int64_t kChain = 128;  // products a lane sums before adding them to its total
+constexpr int64_t kWidenK = 256;  // k of a bf16 sub-block widened at once: 12 KiB as fp32
 
-// xt's row length for nb rows of x.
-inline int64_t padded_rows(int nb) { return (nb + kRowsBlock - 1) / kRowsBlock * kRowsBlock; }
+// xt's row length for nb rows of x: 16-row blocks and, where 8 rows are left, one of 8.
+inline int64_t padded_rows(int nb) { return (nb + 7) / 8 * 8; }
 
 // x (nb rows of k, row-major) as xt: k rows of mp floats, rows past nb zero.
 template <typename T>
@@ -46,68 +50,97 @@ inline void widen(const c10::BFloat16* w, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = static_cast<float>(w[i]);
 }
 
-// t[j][r] (+)= sum over i < kb of w[j * stride + i] * xt[i * mp + r], r < 16, j < NB, in
-// chains of kChain products added to t in turn: one chain over all of k (up to 3072 products)
-// lost more precision than the dot tile's sixteen lanes (a row of 1800 was 1.5e-4 off torch's
-// linear), and adding a chain costs twelve loads, adds and stores per 12 x kChain FMAs.
-template <int NB>
+// t[j * mp + r] (+)= sum over i < kb of w[j * stride + i] * xt[i * mp + r], for 8 * NX x rows r
+// and NB weight rows j, in chains of kChain products added to t in turn: one chain over all of
+// k (up to 3072 products) lost more precision than the dot tile's sixteen lanes (a row of 1800
+// was 1.5e-4 off torch's linear), and adding a chain costs a load, add and store per
+// accumulator per kChain FMAs. Both tiles do the same lane operations in the same order, so a
+// row's result does not depend on which of them took it.
+template <int NX, int NB>
 inline void tile(const float* xt, int64_t mp, const float* w, int64_t stride, int64_t kb,
                  float* t, bool carry) {
   for (int64_t c = 0; c < kb; c += kChain) {
     const int64_t end = std::min(kb, c + kChain);
     // Unrolled by hand (the pragmas): a loop over j left the accumulators in memory, stored
     // every step, at half the rate.
-    __m256 a0[NB], a1[NB];
-#pragma GCC unroll 6
-    for (int j = 0; j < NB; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+    __m256 a[NX][NB];
+#pragma GCC unroll 12
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 2
+      for (int v = 0; v < NX; ++v) a[v][j] = _mm256_setzero_ps();
     for (int64_t i = c; i < end; ++i) {
-      const __m256 x0 = _mm256_loadu_ps(xt + i * mp), x1 = _mm256_loadu_ps(xt + i * mp + 8);
-#pragma GCC unroll 6
+      __m256 xv[NX];
+#pragma GCC unroll 2
+      for (int v = 0; v < NX; ++v) xv[v] = _mm256_loadu_ps(xt + i * mp + 8 * v);
+#pragma GCC unroll 12
       for (int j = 0; j < NB; ++j) {
         const __m256 b = _mm256_broadcast_ss(w + j * stride + i);
-        a0[j] = _mm256_fmadd_ps(b, x0, a0[j]);
-        a1[j] = _mm256_fmadd_ps(b, x1, a1[j]);
+#pragma GCC unroll 2
+        for (int v = 0; v < NX; ++v) a[v][j] = _mm256_fmadd_ps(b, xv[v], a[v][j]);
       }
     }
     const bool add = carry || c > 0;
-#pragma GCC unroll 6
-    for (int j = 0; j < NB; ++j) {
-      float* tj = t + 16 * j;
-      _mm256_storeu_ps(tj, add ? _mm256_add_ps(_mm256_loadu_ps(tj), a0[j]) : a0[j]);
-      _mm256_storeu_ps(tj + 8, add ? _mm256_add_ps(_mm256_loadu_ps(tj + 8), a1[j]) : a1[j]);
-    }
+#pragma GCC unroll 12
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 2
+      for (int v = 0; v < NX; ++v) {
+        float* tj = t + j * mp + 8 * v;
+        _mm256_storeu_ps(tj, add ? _mm256_add_ps(_mm256_loadu_ps(tj), a[v][j]) : a[v][j]);
+      }
   }
 }
 
-// For every x block of 16 rows: acc[m block][j][r] (+)= the block's products, NB weight rows.
-template <int NB>
-inline void tile_rows(const float* xt, int64_t mp, const float* w, int64_t stride, int64_t kb,
-                      float* acc, bool carry) {
-  for (int64_t m0 = 0; m0 < mp; m0 += kRowsBlock)
-    tile<NB>(xt + m0, mp, w, stride, kb, acc + m0 * kCols, carry);
+// tile<NX, nc> for a run-time nc in [1, NB].
+template <int NX, int NB>
+inline void tile_cols(int nc, const float* xt, int64_t mp, const float* w, int64_t stride,
+                      int64_t kb, float* t, bool carry) {
+  if constexpr (NB > 1) {
+    if (nc < NB) return tile_cols<NX, NB - 1>(nc, xt, mp, w, stride, kb, t, carry);
+  }
+  tile<NX, NB>(xt, mp, w, stride, kb, t, carry);
 }
 
-// One block of k for weight rows [n0, n0 + nc), nc <= kCols, into acc (mp x kCols floats).
+// The narrow tile's weight rows at a time for rows k floats apart. Addresses 4 KiB apart
+// share a set of the 32 KiB 8-way L1, and twelve fp32 rows of a 3072-wide weight (12 KiB
+// apart) all fall in one: read in place twelve at a time they evicted each other, and the down
+// projection ran at 0.85x the rate of the wide tile padded to 16 rows; copied first, 0.8x (the
+// copy's short runs from memory). Six rows and xt's line fit a set's eight ways: 1.3x.
+inline int narrow_cols(int64_t k) {
+  const int64_t step = k * static_cast<int64_t>(sizeof(float)) % 4096;
+  const int64_t sets = step == 0 ? 1 : 4096 / std::gcd(step, int64_t{4096});
+  return (kCols + sets - 1) / sets > 4 ? kWideCols : kCols;
+}
+
+// acc (kCols x mp floats) (+)= kb of k for nc <= kCols weight rows (w, row stride `stride`):
+// the wide tile over every 16 x rows, six weight rows at a time, then the narrow tile over the
+// last 8 x rows if mp leaves them, `cols` weight rows at a time.
+inline void multiply(const float* xb, int64_t mp, const float* w, int64_t stride, int64_t kb,
+                     int nc, float* acc, bool carry, int cols) {
+  const int64_t wide_rows = mp / kRowsBlock * kRowsBlock;
+  for (int j0 = 0; j0 < nc; j0 += kWideCols)
+    for (int64_t m0 = 0; m0 < wide_rows; m0 += kRowsBlock)
+      tile_cols<2, kWideCols>(std::min(kWideCols, nc - j0), xb + m0, mp, w + j0 * stride, stride,
+                              kb, acc + j0 * mp + m0, carry);
+  if (wide_rows == mp) return;
+  for (int j0 = 0; j0 < nc; j0 += cols)
+    tile_cols<1, kCols>(std::min(cols, nc - j0), xb + wide_rows, mp, w + j0 * stride, stride, kb,
+                        acc + j0 * mp + wide_rows, carry);
+}
+
+// One block of k for weight rows [n0, n0 + nc) into acc. fp32 rows are read in place; bf16
+// rows are widened (exact) a sub-block at a time, then read as fp32 by every x block.
 template <typename T>
 void columns(const T* w, const float* xt, int64_t mp, int64_t k, int64_t k0, int64_t kb,
              int64_t n0, int nc, float* acc) {
-  alignas(64) float wbuf[kCols * kOuterBlockK];
-  const float* wp;
-  int64_t stride = k;
   if constexpr (std::is_same_v<T, float>) {
-    wp = w + n0 * k + k0;
-  } else {  // bf16 rows widened once a block (exact), then read as fp32 by every x block
-    for (int j = 0; j < nc; ++j) widen(w + (n0 + j) * k + k0, kb, wbuf + j * kOuterBlockK);
-    wp = wbuf, stride = kOuterBlockK;
-  }
-  const float* xb = xt + k0 * mp;
-  switch (nc) {
-    case 6: tile_rows<6>(xb, mp, wp, stride, kb, acc, k0 > 0); break;
-    case 5: tile_rows<5>(xb, mp, wp, stride, kb, acc, k0 > 0); break;
-    case 4: tile_rows<4>(xb, mp, wp, stride, kb, acc, k0 > 0); break;
-    case 3: tile_rows<3>(xb, mp, wp, stride, kb, acc, k0 > 0); break;
-    case 2: tile_rows<2>(xb, mp, wp, stride, kb, acc, k0 > 0); break;
-    default: tile_rows<1>(xb, mp, wp, stride, kb, acc, k0 > 0); break;
+    multiply(xt + k0 * mp, mp, w + n0 * k + k0, k, kb, nc, acc, k0 > 0, narrow_cols(k));
+  } else {
+    alignas(64) float wbuf[kCols * kWidenK];
+    for (int64_t s = 0; s < kb; s += kWidenK) {
+      const int64_t sb = std::min(kWidenK, kb - s);
+      for (int j = 0; j < nc; ++j) widen(w + (n0 + j) * k + k0 + s, sb, wbuf + j * kWidenK);
+      multiply(xt + (k0 + s) * mp, mp, wbuf, kWidenK, sb, nc, acc, k0 + s > 0, kCols);
+    }
   }
 }
 
@@ -122,24 +155,18 @@ void rows(const T* w, const float* xt, int nb, int64_t k, int64_t lo, int64_t hi
   const int64_t mp = padded_rows(nb);
   const int64_t blocks = (hi - lo + kCols - 1) / kCols;
   thread_local std::vector<float> acc;
-  acc.resize(static_cast<size_t>(blocks * mp * kCols));
+  acc.resize(static_cast<size_t>(blocks * kCols * mp));
   for (int64_t k0 = 0; k0 < k; k0 += kOuterBlockK) {
     const int64_t kb = std::min(kOuterBlockK, k - k0);
     for (int64_t c = 0; c < blocks; ++c) {
       const int64_t n0 = lo + c * kCols;
       const int nc = static_cast<int>(std::min<int64_t>(kCols, hi - n0));
-      columns(w, xt, mp, k, k0, kb, n0, nc, acc.data() + c * mp * kCols);
+      columns(w, xt, mp, k, k0, kb, n0, nc, acc.data() + c * kCols * mp);
     }
   }
-  for (int64_t c = 0; c < blocks; ++c) {
-    const float* a = acc.data() + c * mp * kCols;
-    const int64_t n0 = lo + c * kCols;
-    const int nc = static_cast<int>(std::min<int64_t>(kCols, hi - n0));
-    for (int b = 0; b < nb; ++b)
-      for (int j = 0; j < nc; ++j)
-        y[b * width + n0 + j] = static_cast<T>(a[(b / kRowsBlock) * kRowsBlock * kCols + 16 * j +
-                                                 b % kRowsBlock]);
-  }
+  // Weight row n's sums start at acc[(n - lo) * mp]: block c's row j is row c * kCols + j.
+  for (int b = 0; b < nb; ++b)
+    for (int64_t n = lo; n < hi; ++n) y[b * width + n] = static_cast<T>(acc[(n - lo) * mp + b]);
 }
 
 }  // namespace
