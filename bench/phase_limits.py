@@ -127,7 +127,7 @@ def _ours_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any]:
     }
     del triad, read
     out["decode_overhead_s_b1"] = time_step_overhead(
-        model.cfg, args.context, args.steps, model.device
+        model.cfg, args.steps, model.device, model.dtype
     )
     for n in args.prefill:
         seconds, flops = time_prefill(model, n, 2 if n > 1024 else 3)
