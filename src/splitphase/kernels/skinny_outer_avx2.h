@@ -102,8 +102,9 @@ inline void tile_cols(int nc, const float* xt, int64_t mp, const float* w, int64
 // The narrow tile's weight rows at a time for rows k floats apart. Addresses 4 KiB apart
 // share a set of the 32 KiB 8-way L1, and twelve fp32 rows of a 3072-wide weight (12 KiB
 // apart) all fall in one: read in place twelve at a time they evicted each other, and the down
-// projection ran at 0.85x the rate of the wide tile padded to 16 rows; copied first, 0.8x (the
-// copy's short runs from memory). Six rows and xt's line fit a set's eight ways: 1.3x.
+// projection ran at 0.85x the rate of the wide tile padded to 16 rows; copied first, 0.83-0.87x
+// (the copy's short runs from memory). Six rows and xt's line fit a set's eight ways: 1.3x (a
+// one-thread harness over the tiles, 8 rows).
 inline int narrow_cols(int64_t k) {
   const int64_t step = k * static_cast<int64_t>(sizeof(float)) % 4096;
   const int64_t sets = step == 0 ? 1 : 4096 / std::gcd(step, int64_t{4096});
