@@ -1,0 +1,135 @@
+"""Decode attention alone against the memory speed this machine's decode reaches, in one process.
+
+One decode step's attention over a preset's layers (base-125m: 12 layers, 12 query heads over
+4 K/V heads of 64): each layer's K/V pool (slots, G, D) holds `batch` contexts of `context`
+tokens in blocks of 16 slots, shuffled as a paged cache leaves them, and one query token per
+sequence attends to its own. Between layers a buffer larger than the last-level cache is
+read, untimed, as a step's weights would stream through: each layer's K/V comes from memory.
+"native" is `torch.ops.splitphase.decode_attention`; "stream" moves the same pools through
+the batch-1 linear kernel (each pool as a weight of up to 1024 columns times one row), the
+speed at which decode streams its weights here: what reading these bytes could take. Both run
+on the kernels' own threads; nothing in the loop uses torch's OpenMP team, whose threads spin
+after each region and would take the second core from the kernel's helper (with the flush in
+torch, a b1 step at context 512 took 8 ms against 1). Variants alternate layer set by layer
+set; each figure is the best round. Prints ms per step, the bytes each read over that time
+(native: the contexts' K/V; stream: the whole pools, the same where context is a multiple of
+16), and native's GB/s as a fraction of the stream's. Nothing is asserted.
+
+    OMP_NUM_THREADS=2 python bench/decode_attention_ab.py --batch 1 8 --context 512 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from splitphase.kernels import build
+from splitphase.model.config import ModelConfig
+
+BLOCK = 16  # the engine's default block size (EngineConfig.block_size)
+FLUSH_BYTES = 64 << 20  # past this host's 32 MiB L3
+STREAM_COLS = 1024  # at most; base-125m's pools of BLOCK-slot blocks are whole such rows
+
+
+def stream(*tensors: torch.Tensor) -> object:
+    """Reads `tensors` through the batch-1 linear kernel, each as a weight of up to
+    STREAM_COLS columns times a row of ones."""
+    cols = math.gcd(tensors[0].numel(), STREAM_COLS)
+    x = torch.ones(1, cols, dtype=tensors[0].dtype)
+    return torch.ops.splitphase.skinny_linear(x, [t.view(-1, cols) for t in tensors], 0)
+
+
+def paged_slots(batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
+    """(batch, context) slots: each sequence's blocks of BLOCK slots, shuffled over the pool."""
+    blocks = -(-context // BLOCK)
+    order = torch.randperm(batch * blocks, generator=gen)
+    table = order.view(batch, blocks)
+    pos = torch.arange(context)
+    return table[:, pos // BLOCK] * BLOCK + pos % BLOCK
+
+
+class Layers:
+    """A step's K/V pools, one per layer, and the queries and slots that read them."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        slots_n = batch * -(-context // BLOCK) * BLOCK
+        shape = (slots_n, cfg.n_kv_heads, cfg.head_dim)
+        self.pools = [
+            tuple(torch.randn(shape, generator=gen).to(dtype) for _ in "kv")
+            for _ in range(cfg.n_layers)
+        ]
+        self.q = torch.randn(batch, cfg.n_heads, cfg.head_dim, generator=gen).to(dtype)
+        self.slots = paged_slots(batch, context, gen)
+        self.lengths = torch.full((batch,), context, dtype=torch.long)
+        self.flush = torch.zeros(FLUSH_BYTES // 4)
+        per_token = 2 * cfg.n_kv_heads * cfg.head_dim * self.q.element_size()
+        self.bytes = {
+            "native": cfg.n_layers * batch * context * per_token,
+            "stream": cfg.n_layers * slots_n * per_token,
+        }
+
+    def step_s(self, fn: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
+        """Seconds of `fn` over every layer's pools, each layer after an untimed flush."""
+        total = 0.0
+        for k, v in self.pools:
+            stream(self.flush)  # untimed: evicts the last layer's K/V
+            t0 = time.perf_counter()
+            fn(k, v)
+            total += time.perf_counter() - t0
+        return total
+
+
+def variants(layers: Layers) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
+    q, slots, lengths = layers.q, layers.slots, layers.lengths
+
+    def native(k: torch.Tensor, v: torch.Tensor) -> object:
+        return torch.ops.splitphase.decode_attention(q, k, v, slots, lengths)
+
+    return {"native": native, "stream": stream}
+
+
+def best_steps(layers: Layers, rounds: int) -> dict[str, float]:
+    fns = variants(layers)
+    best = {name: float("inf") for name in fns}
+    for r in range(rounds + 1):  # round 0 warms up and is not kept
+        for name, fn in fns.items():
+            s = layers.step_s(fn)
+            if r:
+                best[name] = min(best[name], s)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="base-125m")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if not build.available():
+        raise SystemExit(f"native kernels unavailable: {build.status().reason}")
+    cfg = ModelConfig.from_name(args.preset)
+    dtype = getattr(torch, args.dtype)
+    torch.set_grad_enabled(False)
+    print(f"threads {torch.get_num_threads()}, {args.dtype}, {cfg.n_layers} layers, "
+          f"H {cfg.n_heads} G {cfg.n_kv_heads} D {cfg.head_dim}, load before {os.getloadavg()}")
+    for batch in args.batch:
+        for context in args.context:
+            layers = Layers(cfg, batch, context, dtype)
+            best = best_steps(layers, args.rounds)
+            rate = {name: layers.bytes[name] / s / 1e9 for name, s in best.items()}
+            print(f"b{batch} context {context}: " + ", ".join(
+                f"{name} {1e3 * s:.2f} ms {rate[name]:.1f} GB/s" for name, s in best.items())
+                + f"; native at {100 * rate['native'] / rate['stream']:.0f}% of the stream's GB/s")
+    print(f"load after {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
