@@ -103,81 +103,7 @@ inline void axpy(float w, const T* v, float* o, int64_t d) {
   for (; i < d; ++i) o[i] += w * static_cast<float>(v[i]);
 }
 
-// out[h][:NV*16] = sum_t p[h * len + t] * v_t for H heads sharing one K/V head, with the
-// accumulators in registers for the whole walk (axpy's per-key store and reload of out was
-// most of the time). The same multiply-adds in the same order as axpy from zeroed out, so the
-// result is identical.
-template <int H, int NV, typename T, typename ValueRow>
-inline void pv_regs(const float* p, int64_t len, ValueRow value, float* out, int64_t d) {
-  vf acc[H][NV];
-  for (int h = 0; h < H; ++h)
-    for (int c = 0; c < NV; ++c) acc[h][c] = zero();
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = value(t);
-    vf vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
-    for (int h = 0; h < H; ++h) {
-      vf pb = set1(p[h * len + t]);
-      for (int c = 0; c < NV; ++c) acc[h][c] = fmadd(pb, vv[c], acc[h][c]);
-    }
-  }
-  for (int h = 0; h < H; ++h)
-    for (int c = 0; c < NV; ++c) store16(out + h * d + 16 * c, acc[h][c]);
-}
-
-#if SPLITPHASE_AVX512
-// pv_regs for `heads` (1-4) heads and d = 16 * nv (nv 1-8) where the accumulators and one value
-// row fit the 32 registers; false where they do not (the caller walks with axpy).
-template <typename T, typename ValueRow>
-inline bool pv_in_registers(int64_t heads, int64_t d, const float* p, int64_t len,
-                            ValueRow value, float* out) {
-  if (d % 16 != 0) return false;
-  const int64_t nv = d / 16;
-#define SPLITPHASE_PV(H, NV)                                    \
-  if (heads == H && nv == NV) {                                 \
-    pv_regs<H, NV, T>(p, len, value, out, d);                   \
-    return true;                                                \
-  }
-  SPLITPHASE_PV(1, 1) SPLITPHASE_PV(1, 2) SPLITPHASE_PV(1, 4) SPLITPHASE_PV(1, 8)
-  SPLITPHASE_PV(2, 1) SPLITPHASE_PV(2, 2) SPLITPHASE_PV(2, 4) SPLITPHASE_PV(2, 8)
-  SPLITPHASE_PV(3, 1) SPLITPHASE_PV(3, 2) SPLITPHASE_PV(3, 4) SPLITPHASE_PV(3, 6)
-  SPLITPHASE_PV(4, 1) SPLITPHASE_PV(4, 2) SPLITPHASE_PV(4, 4) SPLITPHASE_PV(4, 5)
-#undef SPLITPHASE_PV
-  return false;
-}
 #else
-// pv_regs over d in column strips of 16 * NV where `heads` (1-4) heads' accumulators fit 12 of
-// the 16 ymm registers (two a vector): each strip walks the value rows again (from cache), and
-// every output element still sums its keys in order, as axpy would.
-template <typename T, typename ValueRow>
-inline bool pv_in_registers(int64_t heads, int64_t d, const float* p, int64_t len,
-                            ValueRow value, float* out) {
-  if (d % 16 != 0 || heads < 1 || heads > 4) return false;
-  const int64_t nv = d / 16;
-  const int64_t strip = heads == 1 ? 4 : heads == 2 ? 2 : heads == 3 ? 2 : 1;
-  for (int64_t c0 = 0; c0 < nv; c0 += strip) {
-    auto shifted = [&](int64_t t) { return value(t) + 16 * c0; };
-    float* o = out + 16 * c0;
-    const int64_t n = std::min(strip, nv - c0);
-#define SPLITPHASE_PV(H, NV)                                    \
-  if (heads == H && n == NV) {                                  \
-    pv_regs<H, NV, T>(p, len, shifted, o, d);                   \
-    continue;                                                   \
-  }
-    SPLITPHASE_PV(1, 4) SPLITPHASE_PV(1, 3) SPLITPHASE_PV(1, 2) SPLITPHASE_PV(1, 1)
-    SPLITPHASE_PV(2, 2) SPLITPHASE_PV(2, 1) SPLITPHASE_PV(3, 2) SPLITPHASE_PV(3, 1)
-    SPLITPHASE_PV(4, 1)
-#undef SPLITPHASE_PV
-  }
-  return true;
-}
-#endif
-#else
-template <typename T, typename ValueRow>
-inline bool pv_in_registers(int64_t, int64_t, const float*, int64_t, ValueRow, float*) {
-  return false;
-}
-
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
@@ -230,6 +156,127 @@ inline void prefetch_row(const T* row, int64_t d) {
     __builtin_prefetch(p + off, 0, 2);  // PREFETCHT1: into L2
 }
 
+#if SPLITPHASE_SIMD
+// The value walk's unit is one register of fp32 lanes (zmm: 16, ymm: 8), not simd.h's 16-lane
+// vf (two ymm on AVX2): a strip's accumulators, one broadcast weight a head and the value
+// vector they share must fit the register file, 32 vectors with AVX-512 and 16 without.
+#if SPLITPHASE_AVX512
+using reg_t = __m512;
+constexpr int kRegLanes = 16, kVecRegs = 32;
+inline reg_t reg_load(const float* p) { return _mm512_loadu_ps(p); }
+inline reg_t reg_load(const c10::BFloat16* p) { return splitphase_simd::load16(p); }
+inline reg_t reg_broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline reg_t reg_fmadd(reg_t a, reg_t b, reg_t c) { return _mm512_fmadd_ps(a, b, c); }
+inline reg_t reg_zero() { return _mm512_setzero_ps(); }
+inline void reg_store(float* p, reg_t v) { _mm512_storeu_ps(p, v); }
+#define SPLITPHASE_IN_REGISTER(v) asm("" : "+v"(v))
+#else
+using reg_t = __m256;
+constexpr int kRegLanes = 8, kVecRegs = 16;
+inline reg_t reg_load(const float* p) { return _mm256_loadu_ps(p); }
+inline reg_t reg_load(const c10::BFloat16* p) { return splitphase_simd::widen8(p); }
+inline reg_t reg_broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline reg_t reg_fmadd(reg_t a, reg_t b, reg_t c) { return _mm256_fmadd_ps(a, b, c); }
+inline reg_t reg_zero() { return _mm256_setzero_ps(); }
+inline void reg_store(float* p, reg_t v) { _mm256_storeu_ps(p, v); }
+#define SPLITPHASE_IN_REGISTER(v) asm("" : "+x"(v))
+#endif
+
+// out[h][:C * kRegLanes] = sum_t p[h * len + t] * v_t for the H query heads of one K/V head,
+// v_t at base + slots[t] * stride, the accumulators in registers for the whole walk. Every
+// output lane sums its keys in order, one rounding each, as axpy from zeroed out does, so
+// the result does not depend on the register width or the strips. The first `lines` cache
+// lines of the row kAheadRows ahead are requested as it goes (0 where another strip of the
+// same rows asked for them). On the AVX2 host (base-125m's shape, one thread, context 128 in
+// L2) this walk ran at 2.0x the speed of the one it replaced, through a lambda, on vf: that
+// needed 17 ymm for 3 heads (so GCC kept the accumulators in a stack array, storing all 12 a
+// key), called the lambda out of line in the extension's build, and prefetched in both
+// strips. With each layer's K/V cold, as in a decode step, memory sets the pace: the whole
+// attention took 0.88-0.97x the time (bench/decode_attention_ab.py's shapes, the two walks
+// alternated in one process, best of 8) and was level at batch 8, context 2048.
+template <int H, int C, typename T>
+inline void value_walk(const float* p, int64_t len, const T* base, const int64_t* slots,
+                       int64_t stride, int64_t lines, float* out, int64_t d) {
+  reg_t acc[H][C];
+  // Unrolled in full, so the accumulators are registers, not an indexed array.
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[h][c] = reg_zero();
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAheadRows < len) {
+      const char* ahead = reinterpret_cast<const char*>(base + slots[t + kAheadRows] * stride);
+      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);
+    }
+    const T* v = base + slots[t] * stride;
+    reg_t w[H];
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) w[h] = reg_broadcast(p + h * len + t);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      reg_t x = reg_load(v + c * kRegLanes);
+      // One load shared by the H multiply-adds: short of registers, GCC otherwise folds the
+      // load into each of them (H loads a vector; 1.13x the time at 3 heads).
+      SPLITPHASE_IN_REGISTER(x);
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) acc[h][c] = reg_fmadd(w[h], x, acc[h][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) reg_store(out + h * d + c * kRegLanes, acc[h][c]);
+}
+
+// value_walk over n <= C register widths (C - 1, C - 2, ... instantiated down to 1).
+template <int H, int C, typename T>
+inline void value_strip(int64_t n, const float* p, int64_t len, const T* base,
+                        const int64_t* slots, int64_t stride, int64_t lines, float* out,
+                        int64_t d) {
+  if constexpr (C > 1) {
+    if (n < C) return value_strip<H, C - 1>(n, p, len, base, slots, stride, lines, out, d);
+  }
+  value_walk<H, C>(p, len, base, slots, stride, lines, out, d);
+}
+
+// The value walk of H heads over d in strips of as many register widths as fit beside the
+// H weights and the value vector (AVX2: 8 at one head, 6 at two, 4 at three, 2 at four); each
+// strip walks the rows again, from cache, and only the first asks for the lines ahead.
+template <int H, typename T>
+inline void value_strips(const float* p, int64_t len, const T* base, const int64_t* slots,
+                         int64_t stride, float* out, int64_t d) {
+  constexpr int kMost = std::min(8, (kVecRegs - H - 1) / H);
+  const int64_t cols = d / kRegLanes;
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t c0 = 0; c0 < cols; c0 += kMost) {
+    value_strip<H, kMost>(std::min<int64_t>(kMost, cols - c0), p, len, base + c0 * kRegLanes,
+                          slots, stride, c0 == 0 ? lines : 0, out + c0 * kRegLanes, d);
+  }
+}
+
+// False where the walk does not apply (more than 4 heads a K/V head, or d not a multiple of
+// 16, even where 8-lane registers would cover it: both instruction sets then take one path,
+// axpy's, whose scalar tail rounds differently): the caller sums with axpy.
+template <typename T>
+inline bool value_in_registers(int64_t heads, const float* p, int64_t len, const T* base,
+                               const int64_t* slots, int64_t stride, float* out, int64_t d) {
+  if (d % 16 != 0) return false;
+  switch (heads) {
+    case 1: value_strips<1>(p, len, base, slots, stride, out, d); return true;
+    case 2: value_strips<2>(p, len, base, slots, stride, out, d); return true;
+    case 3: value_strips<3>(p, len, base, slots, stride, out, d); return true;
+    case 4: value_strips<4>(p, len, base, slots, stride, out, d); return true;
+    default: return false;
+  }
+}
+#else
+template <typename T>
+inline bool value_in_registers(int64_t, const float*, int64_t, const T*, const int64_t*, int64_t,
+                               float*, int64_t) {
+  return false;
+}
+#endif
+
 // One sequence's query heads of the K/V heads [g0, g1), over its len context slots. The
 // pool stores a slot's K/V heads side by side ((slots, n_kv, d)), so reading all of a job's
 // heads from each slot row walks the pool in contiguous runs (a block's slots are adjacent)
@@ -248,8 +295,12 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
   for (int64_t t = 0; t < std::min(ahead, len); ++t) prefetch_row(key(t, g0), span);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {  // a row's blocking depends only on its own length
-    for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u, g0), span);
     for (int64_t g = g0; g < g1; ++g) {
+      // Each head's part of the four rows ahead beside its own dot products, not all of the
+      // rows at once (64 lines at base-125m fp32, more than L1 keeps misses in flight): the
+      // score pass alone ran at 1.2x the speed (cold, block-shuffled slots, one thread), the
+      // whole attention at 0.88-0.96x the time (best of 10, alternated in one process).
+      for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u, g), d);
       const T* k4[4] = {key(t, g), key(t + 1, g), key(t + 2, g), key(t + 3, g)};
       for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
         float s4[4];
@@ -271,15 +322,13 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
   auto value = [&](int64_t u, int64_t g) { return vp + (slots[u] * n_kv + g) * d; };
   for (int64_t g = g0; g < g1; ++g) {  // one K/V head's rows at a time, its heads in registers
     const int64_t h0 = (g - g0) * group;
-    auto row = [&](int64_t u) {
-      if (u + ahead < len) prefetch_row(value(u + ahead, g), d);
-      return value(u, g);
-    };
     for (t = 0; t < std::min(ahead, len); ++t) prefetch_row(value(t, g), d);
-    if (pv_in_registers<T>(group, d, p.data() + h0 * len, len, row, out + h0 * d)) continue;
+    const float* pg = p.data() + h0 * len;
+    if (value_in_registers(group, pg, len, vp + g * d, slots, n_kv * d, out + h0 * d, d)) continue;
     std::fill(out + h0 * d, out + (h0 + group) * d, 0.f);
     for (t = 0; t < len; ++t) {
-      const T* v = row(t);
+      if (t + ahead < len) prefetch_row(value(t + ahead, g), d);
+      const T* v = value(t, g);
       for (int64_t h = h0; h < h0 + group; ++h) axpy(p[h * len + t], v, out + h * d, d);
     }
   }
