@@ -193,7 +193,7 @@ inline void reg_store(float* p, reg_t v) { _mm256_storeu_ps(p, v); }
 // key), called the lambda out of line in the extension's build, and prefetched in both
 // strips. With each layer's K/V cold, as in a decode step, memory sets the pace: the whole
 // attention took 0.88-0.97x the time (bench/decode_attention_ab.py's shapes, the two walks
-// alternated in one process, best of 8) and was level at batch 8, context 2048.
+// alternated in one process, best of 8), 0.99-1.05x at batch 8, context 2048.
 template <int H, int C, typename T>
 inline void value_walk(const float* p, int64_t len, const T* base, const int64_t* slots,
                        int64_t stride, int64_t lines, float* out, int64_t d) {
@@ -299,7 +299,7 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
       // Each head's part of the four rows ahead beside its own dot products, not all of the
       // rows at once (64 lines at base-125m fp32, more than L1 keeps misses in flight): the
       // score pass alone ran at 1.2x the speed (cold, block-shuffled slots, one thread), the
-      // whole attention at 0.88-0.96x the time (best of 10, alternated in one process).
+      // whole attention at 0.88-0.98x the time (best of 10, alternated in one process).
       for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u, g), d);
       const T* k4[4] = {key(t, g), key(t + 1, g), key(t + 2, g), key(t + 3, g)};
       for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
