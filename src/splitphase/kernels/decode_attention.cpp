@@ -297,9 +297,9 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
   for (; t + 4 <= len; t += 4) {  // a row's blocking depends only on its own length
     for (int64_t g = g0; g < g1; ++g) {
       // Each head's part of the four rows ahead beside its own dot products, not all of the
-      // rows at once (64 lines at base-125m fp32, more than L1 keeps misses in flight): the
-      // score pass alone ran at 1.2x the speed (cold, block-shuffled slots, one thread), the
-      // whole attention at 0.88-0.98x the time (best of 10, alternated in one process).
+      // rows at once (64 lines at base-125m fp32): the score pass alone ran at 1.2x the speed
+      // (cold, block-shuffled slots, one thread), the whole attention at 0.88-0.98x the time
+      // (best of 10, alternated in one process).
       for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u, g), d);
       const T* k4[4] = {key(t, g), key(t + 1, g), key(t + 2, g), key(t + 3, g)};
       for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
