@@ -187,13 +187,9 @@ inline void reg_store(float* p, reg_t v) { _mm256_storeu_ps(p, v); }
 // output lane sums its keys in order, one rounding each, as axpy from zeroed out does, so
 // the result does not depend on the register width or the strips. The first `lines` cache
 // lines of the row kAheadRows ahead are requested as it goes (0 where another strip of the
-// same rows asked for them). On the AVX2 host (base-125m's shape, one thread, context 128 in
-// L2) this walk ran at 2.0x the speed of the one it replaced, through a lambda, on vf: that
-// needed 17 ymm for 3 heads (so GCC kept the accumulators in a stack array, storing all 12 a
-// key), called the lambda out of line in the extension's build, and prefetched in both
-// strips. With each layer's K/V cold, as in a decode step, memory sets the pace: the whole
-// attention took 0.88-0.97x the time (bench/decode_attention_ab.py's shapes, the two walks
-// alternated in one process, best of 8), 0.99-1.05x at batch 8, context 2048.
+// same rows asked for them). 2.0x the speed of the walk on vf it replaced with the data in
+// L2 (that one needed 17 ymm at 3 heads, so GCC kept its accumulators in a stack array);
+// 0.88-1.05x the time cold, where memory sets the pace (docs/performance.md, session 34).
 template <int H, int C, typename T>
 inline void value_walk(const float* p, int64_t len, const T* base, const int64_t* slots,
                        int64_t stride, int64_t lines, float* out, int64_t d) {
