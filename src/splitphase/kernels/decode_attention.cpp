@@ -185,14 +185,13 @@ inline void reg_store(float* p, reg_t v) { _mm256_storeu_ps(p, v); }
 // out[h][:C * kRegLanes] = sum_t p[h * len + t] * v_t for the H query heads of one K/V head,
 // v_t at base + slots[t] * stride, the accumulators in registers for the whole walk. Every
 // output lane sums its keys in order, one rounding each, as axpy from zeroed out does, so
-// the result does not depend on the register width or the strips. The first `lines` cache
-// lines of the row kAheadRows ahead are requested as it goes (0 where another strip of the
-// same rows asked for them). 2.0x the speed of the walk on vf it replaced with the data in
+// the result does not depend on the register width or the strips. With `ask_ahead`, the row
+// kAheadRows ahead is requested as it goes (false where another strip of the same rows asks). 2.0x the speed of the walk on vf it replaced with the data in
 // L2 (that one needed 17 ymm at 3 heads, so GCC kept its accumulators in a stack array);
 // 0.88-1.05x the time cold, where memory sets the pace (docs/performance.md, session 34).
 template <int H, int C, typename T>
 inline void value_walk(const float* p, int64_t len, const T* base, const int64_t* slots,
-                       int64_t stride, int64_t lines, float* out, int64_t d) {
+                       int64_t stride, bool ask_ahead, float* out, int64_t d) {
   reg_t acc[H][C];
   // Unrolled in full, so the accumulators are registers, not an indexed array.
 #pragma GCC unroll 8
@@ -200,10 +199,7 @@ inline void value_walk(const float* p, int64_t len, const T* base, const int64_t
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[h][c] = reg_zero();
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kAheadRows < len) {
-      const char* ahead = reinterpret_cast<const char*>(base + slots[t + kAheadRows] * stride);
-      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);
-    }
+    if (ask_ahead && t + kAheadRows < len) prefetch_row(base + slots[t + kAheadRows] * stride, d);
     const T* v = base + slots[t] * stride;
     reg_t w[H];
 #pragma GCC unroll 8
@@ -227,12 +223,12 @@ inline void value_walk(const float* p, int64_t len, const T* base, const int64_t
 // value_walk over n <= C register widths (C - 1, C - 2, ... instantiated down to 1).
 template <int H, int C, typename T>
 inline void value_strip(int64_t n, const float* p, int64_t len, const T* base,
-                        const int64_t* slots, int64_t stride, int64_t lines, float* out,
+                        const int64_t* slots, int64_t stride, bool ask_ahead, float* out,
                         int64_t d) {
   if constexpr (C > 1) {
-    if (n < C) return value_strip<H, C - 1>(n, p, len, base, slots, stride, lines, out, d);
+    if (n < C) return value_strip<H, C - 1>(n, p, len, base, slots, stride, ask_ahead, out, d);
   }
-  value_walk<H, C>(p, len, base, slots, stride, lines, out, d);
+  value_walk<H, C>(p, len, base, slots, stride, ask_ahead, out, d);
 }
 
 // The value walk of H heads over d in strips of as many register widths as fit beside the
@@ -243,10 +239,9 @@ inline void value_strips(const float* p, int64_t len, const T* base, const int64
                          int64_t stride, float* out, int64_t d) {
   constexpr int kMost = std::min(8, (kVecRegs - H - 1) / H);
   const int64_t cols = d / kRegLanes;
-  const int64_t lines = (d * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   for (int64_t c0 = 0; c0 < cols; c0 += kMost) {
     value_strip<H, kMost>(std::min<int64_t>(kMost, cols - c0), p, len, base + c0 * kRegLanes,
-                          slots, stride, c0 == 0 ? lines : 0, out + c0 * kRegLanes, d);
+                          slots, stride, c0 == 0, out + c0 * kRegLanes, d);
   }
 }
 
@@ -315,16 +310,17 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
     float* ph = p.data() + h * len;
     inv[h] = 1.f / exp_shifted(ph, len, max_of(ph, len));
   }
-  auto value = [&](int64_t u, int64_t g) { return vp + (slots[u] * n_kv + g) * d; };
+  const int64_t stride = n_kv * d;  // from a slot's row of one K/V head to the next slot's
   for (int64_t g = g0; g < g1; ++g) {  // one K/V head's rows at a time, its heads in registers
     const int64_t h0 = (g - g0) * group;
-    for (t = 0; t < std::min(ahead, len); ++t) prefetch_row(value(t, g), d);
+    const T* base = vp + g * d;
+    for (t = 0; t < std::min(ahead, len); ++t) prefetch_row(base + slots[t] * stride, d);
     const float* pg = p.data() + h0 * len;
-    if (value_in_registers(group, pg, len, vp + g * d, slots, n_kv * d, out + h0 * d, d)) continue;
+    if (value_in_registers(group, pg, len, base, slots, stride, out + h0 * d, d)) continue;
     std::fill(out + h0 * d, out + (h0 + group) * d, 0.f);
     for (t = 0; t < len; ++t) {
-      if (t + ahead < len) prefetch_row(value(t + ahead, g), d);
-      const T* v = value(t, g);
+      if (t + ahead < len) prefetch_row(base + slots[t + ahead] * stride, d);
+      const T* v = base + slots[t] * stride;
       for (int64_t h = h0; h < h0 + group; ++h) axpy(p[h * len + t], v, out + h * d, d);
     }
   }
