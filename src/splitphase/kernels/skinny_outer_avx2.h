@@ -29,6 +29,7 @@ constexpr int kWideCols = 6;    // weight rows of the wide tile: 12 accumulators
 constexpr int kCols = 12;       // weight rows of the narrow tile (12 + 1 + 1), two wide tiles'
 constexpr int64_t kOuterBlockK = 768;  // k a pass
 constexpr int64_t kChain = 128;  // products a lane sums before adding them to its total
+constexpr int64_t kAskAheadRows = 32;  // wide-tile x rows up to which a group asks for the next
 
 // xt's row length for nb rows of x: 16-row blocks and, where 8 rows are left, one of 8.
 inline int64_t padded_rows(int nb) { return (nb + 7) / 8 * 8; }
@@ -54,10 +55,11 @@ inline void widen(const c10::BFloat16* w, int64_t n, float* out) {
 // k (up to 3072 products) lost more precision than the dot tile's sixteen lanes (a row of 1800
 // was 1.5e-4 off torch's linear), and adding a chain costs a load, add and store per
 // accumulator per kChain FMAs. Both tiles do the same lane operations in the same order, so a
-// row's result does not depend on which of them took it.
+// row's result does not depend on which of them took it. ahead (or null): the next group's
+// weight rows (same stride), asked into L2 a line of each row every 16 k.
 template <int NX, int NB>
 inline void tile(const float* xt, int64_t mp, const float* w, int64_t stride, int64_t kb,
-                 float* t, bool carry) {
+                 float* t, bool carry, const float* ahead) {
   for (int64_t c = 0; c < kb; c += kChain) {
     const int64_t end = std::min(kb, c + kChain);
     // Unrolled by hand (the pragmas): a loop over j left the accumulators in memory, stored
@@ -68,6 +70,11 @@ inline void tile(const float* xt, int64_t mp, const float* w, int64_t stride, in
 #pragma GCC unroll 2
       for (int v = 0; v < NX; ++v) a[v][j] = _mm256_setzero_ps();
     for (int64_t i = c; i < end; ++i) {
+      if (ahead != nullptr && i % 16 == 0) {
+#pragma GCC unroll 12
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * stride + i), _MM_HINT_T1);
+      }
       __m256 xv[NX];
 #pragma GCC unroll 2
       for (int v = 0; v < NX; ++v) xv[v] = _mm256_loadu_ps(xt + i * mp + 8 * v);
@@ -92,11 +99,11 @@ inline void tile(const float* xt, int64_t mp, const float* w, int64_t stride, in
 // tile<NX, nc> for a run-time nc in [1, NB].
 template <int NX, int NB>
 inline void tile_cols(int nc, const float* xt, int64_t mp, const float* w, int64_t stride,
-                      int64_t kb, float* t, bool carry) {
+                      int64_t kb, float* t, bool carry, const float* ahead = nullptr) {
   if constexpr (NB > 1) {
-    if (nc < NB) return tile_cols<NX, NB - 1>(nc, xt, mp, w, stride, kb, t, carry);
+    if (nc < NB) return tile_cols<NX, NB - 1>(nc, xt, mp, w, stride, kb, t, carry, ahead);
   }
-  tile<NX, NB>(xt, mp, w, stride, kb, t, carry);
+  tile<NX, NB>(xt, mp, w, stride, kb, t, carry, ahead);
 }
 
 // The narrow tile's weight rows at a time for rows k floats apart. Addresses 4 KiB apart
@@ -113,32 +120,47 @@ inline int narrow_cols(int64_t k) {
 
 // acc (kCols x mp floats) (+)= kb of k for nc <= kCols weight rows (w, row stride `stride`):
 // the wide tile over every 16 x rows, six weight rows at a time, then the narrow tile over the
-// last 8 x rows if mp leaves them, `cols` weight rows at a time.
+// last 8 x rows if mp leaves them, `cols` weight rows at a time. Only the first 16 x rows of
+// a group wait on its rows from memory, the others find them in L1; the last 16 ask for the
+// next group's rows meanwhile (where the next six of the ask_rows from w are), so memory
+// works while they compute. That paid up to 32 x rows: base-125m's layer linears and LM head
+// together (fp32, 12 layers, old and new code in turn) took 0.80-0.92x the time at 12-24 rows
+// and 0.86-1.00x at 32; at 48 and 64 rows, where a group's rows serve three or four 16-row
+// tiles, 0.95-1.06x. Rows 4 KiB apart (k a multiple of 1024: the down projection) do not ask
+// (columns): in a one-thread harness the next rows, in the same L1 sets as the current ones,
+// made the tile 5% slower.
 inline void multiply(const float* xb, int64_t mp, const float* w, int64_t stride, int64_t kb,
-                     int nc, float* acc, bool carry, int cols) {
+                     int nc, float* acc, bool carry, int cols, int64_t ask_rows) {
   const int64_t wide_rows = mp / kRowsBlock * kRowsBlock;
   for (int j0 = 0; j0 < nc; j0 += kWideCols)
-    for (int64_t m0 = 0; m0 < wide_rows; m0 += kRowsBlock)
+    for (int64_t m0 = 0; m0 < wide_rows; m0 += kRowsBlock) {
+      const bool ahead = wide_rows <= kAskAheadRows && m0 + kRowsBlock == wide_rows &&
+                         j0 + 2 * kWideCols <= ask_rows;
       tile_cols<2, kWideCols>(std::min(kWideCols, nc - j0), xb + m0, mp, w + j0 * stride, stride,
-                              kb, acc + j0 * mp + m0, carry);
+                              kb, acc + j0 * mp + m0, carry,
+                              ahead ? w + (j0 + kWideCols) * stride : nullptr);
+    }
   if (wide_rows == mp) return;
   for (int j0 = 0; j0 < nc; j0 += cols)
     tile_cols<1, kCols>(std::min(cols, nc - j0), xb + wide_rows, mp, w + j0 * stride, stride, kb,
                         acc + j0 * mp + wide_rows, carry);
 }
 
-// One block of k for weight rows [n0, n0 + nc) into acc. fp32 rows are read in place; bf16
-// rows are widened (exact) once a block, then read as fp32 by every x block (256 of k at a
-// time, to keep twelve widened rows in L1, was no faster at 16 and 32 rows).
+// One block of k for weight rows [n0, n0 + nc) of the rows up to end into acc. fp32 rows are
+// read in place; bf16 rows are widened (exact) once a block, then read as fp32 by every x
+// block (256 of k at a time, to keep twelve widened rows in L1, was no faster at 16 and 32).
 template <typename T>
 void columns(const T* w, const float* xt, int64_t mp, int64_t k, int64_t k0, int64_t kb,
-             int64_t n0, int nc, float* acc) {
+             int64_t n0, int nc, int64_t end, float* acc) {
   if constexpr (std::is_same_v<T, float>) {
-    multiply(xt + k0 * mp, mp, w + n0 * k + k0, k, kb, nc, acc, k0 > 0, narrow_cols(k));
+    const bool aliased = k * static_cast<int64_t>(sizeof(float)) % 4096 == 0;
+    multiply(xt + k0 * mp, mp, w + n0 * k + k0, k, kb, nc, acc, k0 > 0, narrow_cols(k),
+             aliased ? 0 : end - n0);
   } else {
     alignas(64) float wbuf[kCols * kOuterBlockK];
     for (int j = 0; j < nc; ++j) widen(w + (n0 + j) * k + k0, kb, wbuf + j * kOuterBlockK);
-    multiply(xt + k0 * mp, mp, wbuf, kOuterBlockK, kb, nc, acc, k0 > 0, kCols);
+    (void)end;
+    multiply(xt + k0 * mp, mp, wbuf, kOuterBlockK, kb, nc, acc, k0 > 0, kCols, 0);
   }
 }
 
@@ -159,7 +181,7 @@ void rows(const T* w, const float* xt, int nb, int64_t k, int64_t lo, int64_t hi
     for (int64_t c = 0; c < blocks; ++c) {
       const int64_t n0 = lo + c * kCols;
       const int nc = static_cast<int>(std::min<int64_t>(kCols, hi - n0));
-      columns(w, xt, mp, k, k0, kb, n0, nc, acc.data() + c * kCols * mp);
+      columns(w, xt, mp, k, k0, kb, n0, nc, hi, acc.data() + c * kCols * mp);
     }
   }
   // Weight row n's sums start at acc[(n - lo) * mp]: block c's row j is row c * kCols + j.
