@@ -56,7 +56,7 @@ inline void widen(const c10::BFloat16* w, int64_t n, float* out) {
 // was 1.5e-4 off torch's linear), and adding a chain costs a load, add and store per
 // accumulator per kChain FMAs. Both tiles do the same lane operations in the same order, so a
 // row's result does not depend on which of them took it. ahead (or null): the next group's
-// weight rows (same stride), asked into L2 a line of each row every 16 k.
+// weight rows (same stride), asked for (prefetcht1) a line of each row every 16 k.
 template <int NX, int NB>
 inline void tile(const float* xt, int64_t mp, const float* w, int64_t stride, int64_t kb,
                  float* t, bool carry, const float* ahead) {
@@ -122,8 +122,8 @@ inline int narrow_cols(int64_t k) {
 // the wide tile over every 16 x rows, six weight rows at a time, then the narrow tile over the
 // last 8 x rows if mp leaves them, `cols` weight rows at a time. Only the first 16 x rows of
 // a group wait on its rows from memory, the others find them in L1; the last 16 ask for the
-// next group's rows meanwhile (where the next six of the ask_rows from w are), so memory
-// works while they compute. That paid up to 32 x rows: base-125m's layer linears and LM head
+// next group's rows meanwhile, so memory works while they compute (where the next group lies
+// within the ask_rows rows from w that this thread multiplies; 0: never). That paid up to 32 x rows: base-125m's layer linears and LM head
 // together (fp32, 12 layers, old and new code in turn) took 0.80-0.92x the time at 12-24 rows
 // and 0.86-1.00x at 32; at 48 and 64 rows, where a group's rows serve three or four 16-row
 // tiles, 0.95-1.06x. Rows 4 KiB apart (k a multiple of 1024: the down projection) do not ask
