@@ -38,7 +38,7 @@ from splitphase.kernels import amx, build, gemm_choice, packed_linear, prefill_a
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
-from splitphase.perf.batching import engine_output_tok_per_s
+from splitphase.perf.batching import engine_output_tok_per_s, flop_bound_tok_per_s
 from splitphase.perf.hf_baseline import hf_llama, time_hf
 from splitphase.perf.llamacpp_baseline import llama_cpp_module, time_llamacpp
 from splitphase.perf.peaks import (
@@ -270,15 +270,32 @@ def _compile_ratios(ours: dict, n: int) -> dict[str, float]:
         for k in keys if f"{k}_compiled" in ours}
 
 
-def _batching(preset: str, device: str, args: argparse.Namespace) -> dict[str, float]:
+def _batching(preset: str, device: str, args: argparse.Namespace) -> dict[str, Any]:
     model = _model(preset, "float32" if device == "cpu" else "bfloat16", device)
     prompt, output = (8, 8) if args.quick else (64, 64)
     return {
+        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "prompt_len": prompt, "output_len": output,
         "engine_tok_per_s_1": engine_output_tok_per_s(model, 1, prompt, output),
         "engine_tok_per_s_concurrent": engine_output_tok_per_s(
             model, args.concurrent, prompt, output
         ),
     }
+
+
+def _batching_figures(b: dict, peaks: dict, args: argparse.Namespace) -> dict[str, Any]:
+    """The speedup, and the ceiling the run's matmul peak puts on it (where it was measured
+    in the engine's dtype)."""
+    out = {**b, "continuous_batching_speedup":
+           b["engine_tok_per_s_concurrent"] / b["engine_tok_per_s_1"]}
+    peak = peaks.get(f"matmul_model_shapes_flops_per_s_{b['dtype']}")
+    if peak:
+        bound = flop_bound_tok_per_s(ModelConfig.from_name(args.preset), args.concurrent,
+                                     b["prompt_len"], b["output_len"], peak)
+        out["flop_bound_tok_per_s_concurrent"] = bound
+        out["flop_bound_speedup"] = bound / b["engine_tok_per_s_1"]
+        out["concurrent_peak_fraction"] = b["engine_tok_per_s_concurrent"] / bound
+    return out
 
 
 def _one_round(args: argparse.Namespace, threads: int, device: torch.device) -> dict[str, Any]:
@@ -311,6 +328,7 @@ def _summary(results: dict, primary: str) -> dict[str, Any]:
             r["ours"][f"interleaved_prefill_{n}_gemm"]["flops_fraction"],
         **{k: v for k, v in r["ratios"].items()},
         "continuous_batching_speedup": results["batching"]["continuous_batching_speedup"],
+        "continuous_batching_flop_bound_speedup": results["batching"].get("flop_bound_speedup"),
     }
 
 
@@ -363,8 +381,11 @@ def _print_table(results: dict) -> None:
             if isinstance(r["baselines"].get(key), str):
                 print(f"  {key}: {r['baselines'][key]}")
     b = results["batching"]
+    bound = (f" (the matmul peak's bound: {b['flop_bound_speedup']:.2f}x; the "
+             f"{results['concurrent']} requests ran at {b['concurrent_peak_fraction']:.0%} of it)"
+             if "flop_bound_speedup" in b else "")
     print(f"engine: {b['continuous_batching_speedup']:.2f}x output tok/s at "
-          f"{results['concurrent']} concurrent vs 1")
+          f"{results['concurrent']} concurrent vs 1{bound}")
 
 
 def _bf16_attention(head_dim: int) -> str:
@@ -401,9 +422,7 @@ def main() -> None:
             **{n: _best(merged[n], r[n]) for n in args.dtypes},
         }
     results["peaks"] = merged["peaks"]
-    b = merged["batching"]
-    speedup = b["engine_tok_per_s_concurrent"] / b["engine_tok_per_s_1"]
-    results["batching"] = {**b, "continuous_batching_speedup": speedup}
+    results["batching"] = _batching_figures(merged["batching"], results["peaks"], args)
     results["dtypes"] = {}
     cfg = ModelConfig.from_name(args.preset)
     for name in args.dtypes:

@@ -78,7 +78,15 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
         assert llama["decode_step_s_b1"] > 0
         ratio = llama["decode_step_s_b1_interleaved"] / llama["ours_decode_step_s_b1_interleaved"]
         assert data["speedup_vs_llamacpp_decode_b1_interleaved"] == pytest.approx(ratio)
+    b = data["batching"]  # the speedup, and the ceiling the fp32 matmul peak puts on it
+    assert (b["dtype"], b["prompt_len"], b["output_len"]) == ("float32", 8, 8)
+    assert b["flop_bound_speedup"] == pytest.approx(
+        b["flop_bound_tok_per_s_concurrent"] / b["engine_tok_per_s_1"])
+    assert b["concurrent_peak_fraction"] == pytest.approx(
+        b["engine_tok_per_s_concurrent"] / b["flop_bound_tok_per_s_concurrent"])
+    assert data["continuous_batching_flop_bound_speedup"] == b["flop_bound_speedup"]
     assert "dec b1 tok/s" in proc.stdout and f"wrote {out}" in proc.stdout
+    assert "the matmul peak's bound" in proc.stdout
 
 
 @pytest.mark.slow

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 
-from splitphase.audit.flops import kv_bytes_per_token
+from splitphase.audit.flops import decode_flops, kv_bytes_per_token, prefill_flops
 from splitphase.engine.llm import LLM
 from splitphase.engine.sampling_params import SamplingParams
+from splitphase.model.config import ModelConfig
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 
@@ -53,3 +54,19 @@ def engine_output_tok_per_s(
     outs = llm.generate(_prompts(vocab, concurrent, prompt_len, round_=0), params)
     wall = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / wall
+
+
+def request_flops(cfg: ModelConfig, prompt_len: int, output_len: int) -> float:
+    """One request's FLOPs in the audit's model: its prefill (which makes the first output
+    token), then a decode step for each further token, at its growing context."""
+    steps = range(1, output_len)
+    return prefill_flops(cfg, prompt_len) + sum(decode_flops(cfg, [prompt_len + t]) for t in steps)
+
+
+def flop_bound_tok_per_s(
+    cfg: ModelConfig, concurrent: int, prompt_len: int, output_len: int, peak_flops_per_s: float
+) -> float:
+    """The output tok/s `concurrent` such requests could reach if every FLOP ran at the peak:
+    the ceiling the CPU's (or GPU's) FLOP rate puts on the batching speedup."""
+    seconds = concurrent * request_flops(cfg, prompt_len, output_len) / peak_flops_per_s
+    return concurrent * output_len / seconds
