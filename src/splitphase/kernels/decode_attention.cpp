@@ -186,9 +186,10 @@ inline void reg_store(float* p, reg_t v) { _mm256_storeu_ps(p, v); }
 // v_t at base + slots[t] * stride, the accumulators in registers for the whole walk. Every
 // output lane sums its keys in order, one rounding each, as axpy from zeroed out does, so
 // the result does not depend on the register width or the strips. With `ask_ahead`, the row
-// kAheadRows ahead is requested as it goes (false where another strip of the same rows asks). 2.0x the speed of the walk on vf it replaced with the data in
-// L2 (that one needed 17 ymm at 3 heads, so GCC kept its accumulators in a stack array);
-// 0.88-1.05x the time cold, where memory sets the pace (docs/performance.md, session 34).
+// kAheadRows ahead is requested as it goes (false where another strip of the same rows
+// asks). 2.0x the speed of the walk on vf it replaced with the data in L2 (that one needed 17
+// ymm at 3 heads, so GCC kept its accumulators in a stack array); 0.88-1.05x the time cold,
+// where memory sets the pace (docs/performance.md, session 34).
 template <int H, int C, typename T>
 inline void value_walk(const float* p, int64_t len, const T* base, const int64_t* slots,
                        int64_t stride, bool ask_ahead, float* out, int64_t d) {
