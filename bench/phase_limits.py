@@ -38,13 +38,13 @@ from splitphase.kernels import amx, build, gemm_choice, packed_linear, prefill_a
 from splitphase.model import compiled
 from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
-from splitphase.perf.batching import engine_output_tok_per_s, flop_bound_tok_per_s
+from splitphase.perf import batching
+from splitphase.perf.fractions import best_of_rounds, derive_fractions
 from splitphase.perf.hf_baseline import hf_llama, time_hf
 from splitphase.perf.llamacpp_baseline import llama_cpp_module, time_llamacpp
 from splitphase.perf.peaks import (
     gemm_pass,
     measure_peaks,
-    prefill_gemm_ceiling,
     read_pass,
     triad_pass,
 )
@@ -166,50 +166,6 @@ def _compiled_raw(model: Transformer, args: argparse.Namespace) -> dict[str, Any
     return out
 
 
-def _derive(raw: dict[str, Any], peaks: dict[str, float], dtype: str, cfg: ModelConfig
-            ) -> dict[str, Any]:
-    """Adds tok/s, implied bandwidth and FLOP/s, and their fractions of the measured peaks;
-    a prefill also gets the ceiling its own GEMM shapes allow (`prefill_gemm_ceiling`)."""
-    triad = peaks["triad_bytes_per_s"]
-    flops_peak = peaks[f"matmul_model_shapes_flops_per_s_{dtype}"]
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for key, v in out.items():
-        if key.startswith("decode_b"):
-            v["tok_per_s"] = v["batch"] / v["step_s"]
-            v["bandwidth_bytes_per_s"] = v["bytes_per_step"] / v["step_s"]
-            v["bw_fraction"] = v["bandwidth_bytes_per_s"] / triad
-        elif key.startswith("prefill_"):
-            v["flops_per_s"] = v["flops"] / v["s"]
-            v["flops_fraction"] = v["flops_per_s"] / flops_peak
-            if not cfg.is_moe:
-                v["gemm_ceiling_fraction"] = prefill_gemm_ceiling(cfg, peaks, dtype, v["tokens"])
-    out["decode_overhead_fraction_b1"] = out["decode_overhead_s_b1"] / out["decode_b1"]["step_s"]
-    for key in [k for k in out if k.startswith("interleaved_prefill_")]:
-        p = out[key]
-        p["flops_fraction"] = p["prefill_flops"] / p["prefill_s"] * p["gemm_s"] / p["gemm_flops"]
-    w = out["interleaved_b1_triad"]
-    w["triad_bytes_per_s"] = w["triad_bytes_per_pass"] / w["triad_pass_s"]
-    w["read_bytes_per_s"] = w["read_bytes_per_pass"] / w["read_pass_s"]
-    w["bw_fraction"] = out["decode_b1"]["bytes_per_step"] / w["step_s"] / w["triad_bytes_per_s"]
-    w["read_fraction"] = out["decode_b1"]["bytes_per_step"] / w["step_s"] / w["read_bytes_per_s"]
-    return out
-
-
-def _best(a: Any, b: Any, larger: bool = False) -> Any:
-    """Merge two rounds: the best time (or rate, if `larger`) per figure; a stated reason
-    (a string) gives way to a measurement."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {k: _best(a[k], b[k], larger) if k in a and k in b else a.get(k, b.get(k))
-                for k in {**a, **b}}
-    if isinstance(a, str) or a is None:
-        return b
-    if isinstance(b, str) or b is None:
-        return a
-    if isinstance(a, float) and isinstance(b, float):
-        return max(a, b) if larger else min(a, b)
-    return a  # sizes, counts: equal across rounds
-
-
 def _baselines(model: Transformer, args: argparse.Namespace, threads: int) -> dict:
     """transformers and llama.cpp at batch-1 decode and the first prefill length."""
     out: dict[str, Any] = {}
@@ -270,34 +226,6 @@ def _compile_ratios(ours: dict, n: int) -> dict[str, float]:
         for k in keys if f"{k}_compiled" in ours}
 
 
-def _batching(preset: str, device: str, args: argparse.Namespace) -> dict[str, Any]:
-    model = _model(preset, "float32" if device == "cpu" else "bfloat16", device)
-    prompt, output = (8, 8) if args.quick else (64, 64)
-    return {
-        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
-        "prompt_len": prompt, "output_len": output,
-        "engine_tok_per_s_1": engine_output_tok_per_s(model, 1, prompt, output),
-        "engine_tok_per_s_concurrent": engine_output_tok_per_s(
-            model, args.concurrent, prompt, output
-        ),
-    }
-
-
-def _batching_figures(b: dict, peaks: dict, args: argparse.Namespace) -> dict[str, Any]:
-    """The speedup, and the ceiling the run's matmul peak puts on it (where it was measured
-    in the engine's dtype)."""
-    out = {**b, "continuous_batching_speedup":
-           b["engine_tok_per_s_concurrent"] / b["engine_tok_per_s_1"]}
-    peak = peaks.get(f"matmul_model_shapes_flops_per_s_{b['dtype']}")
-    if peak:
-        bound = flop_bound_tok_per_s(ModelConfig.from_name(args.preset), args.concurrent,
-                                     b["prompt_len"], b["output_len"], peak)
-        out["flop_bound_tok_per_s_concurrent"] = bound
-        out["flop_bound_speedup"] = bound / b["engine_tok_per_s_1"]
-        out["concurrent_peak_fraction"] = b["engine_tok_per_s_concurrent"] / bound
-    return out
-
-
 def _one_round(args: argparse.Namespace, threads: int, device: torch.device) -> dict[str, Any]:
     """Every measurement once: peaks, each dtype (ours and the baselines), the engine."""
     cfg = ModelConfig.from_name(args.preset)
@@ -306,9 +234,13 @@ def _one_round(args: argparse.Namespace, threads: int, device: torch.device) -> 
         model = _model(args.preset, name, args.device)
         out[name] = {"ours": _ours_raw(model, args), "baselines": _baselines(model, args, threads)}
         del model
-    out["batching"] = _batching(args.preset, args.device, args)
+    engine_dtype = "float32" if device.type == "cpu" else "bfloat16"
+    prompt_and_output = (8, 8) if args.quick else (64, 64)
+    out["batching"] = batching.measure(_model(args.preset, engine_dtype, args.device),
+                                       args.concurrent, *prompt_and_output)
     # Peaks again at the round's end: a peak caught in a busy spell would inflate fractions.
-    out["peaks"] = _best(out["peaks"], measure_peaks(cfg, args.dtypes, args.quick, device), True)
+    again = measure_peaks(cfg, args.dtypes, args.quick, device)
+    out["peaks"] = best_of_rounds(out["peaks"], again, larger=True)
     return out
 
 
@@ -417,16 +349,17 @@ def main() -> None:
     for _ in range(args.rounds):  # rounds interleave the systems: each gets the quiet spells
         r = _one_round(args, threads, device)
         merged = r if not merged else {
-            "peaks": _best(merged["peaks"], r["peaks"], larger=True),
-            "batching": _best(merged["batching"], r["batching"], larger=True),
-            **{n: _best(merged[n], r[n]) for n in args.dtypes},
+            "peaks": best_of_rounds(merged["peaks"], r["peaks"], larger=True),
+            "batching": best_of_rounds(merged["batching"], r["batching"], larger=True),
+            **{n: best_of_rounds(merged[n], r[n]) for n in args.dtypes},
         }
     results["peaks"] = merged["peaks"]
-    results["batching"] = _batching_figures(merged["batching"], results["peaks"], args)
-    results["dtypes"] = {}
     cfg = ModelConfig.from_name(args.preset)
+    results["batching"] = batching.figures(merged["batching"], results["peaks"], cfg,
+                                           args.concurrent)
+    results["dtypes"] = {}
     for name in args.dtypes:
-        ours = _derive(merged[name]["ours"], results["peaks"], name, cfg)
+        ours = derive_fractions(merged[name]["ours"], results["peaks"], name, cfg)
         base = merged[name]["baselines"]
         results["dtypes"][name] = {
             "ours": ours, "baselines": base, "ratios": _ratios(ours, base, args.prefill[0])

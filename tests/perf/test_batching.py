@@ -1,4 +1,4 @@
-"""The FLOP ceiling on continuous batching, from the audit's FLOP model."""
+"""Continuous batching's figures, and the FLOP ceiling on them from the audit's FLOP model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from splitphase.audit.flops import decode_flops, prefill_flops
 from splitphase.model.config import ModelConfig
-from splitphase.perf.batching import flop_bound_tok_per_s, request_flops
+from splitphase.perf.batching import figures, flop_bound_tok_per_s, request_flops
 
 
 def test_request_flops_is_the_prefill_then_one_decode_step_per_further_token() -> None:
@@ -25,3 +25,19 @@ def test_flop_bound_is_output_tokens_over_the_time_at_peak() -> None:
     # One request and 32 at once share the ceiling per request: batching changes the rate,
     # not the FLOPs a request needs.
     assert flop_bound_tok_per_s(cfg, 1, 64, 64, 179e9) == pytest.approx(bound)
+
+
+def test_figures_add_the_speedup_and_the_ceiling_only_where_the_peak_has_the_engines_dtype(
+) -> None:
+    cfg = ModelConfig.from_name("base-125m")
+    measured = {"dtype": "float32", "prompt_len": 64, "output_len": 64,
+                "engine_tok_per_s_1": 50.0, "engine_tok_per_s_concurrent": 275.0}
+    out = figures(measured, {"matmul_model_shapes_flops_per_s_float32": 179e9}, cfg, 32)
+    assert out["continuous_batching_speedup"] == pytest.approx(5.5)
+    bound = flop_bound_tok_per_s(cfg, 32, 64, 64, 179e9)
+    assert out["flop_bound_tok_per_s_concurrent"] == pytest.approx(bound)
+    assert out["flop_bound_speedup"] == pytest.approx(bound / 50.0)
+    assert out["concurrent_peak_fraction"] == pytest.approx(275.0 / bound)
+    bf16_only = figures(measured, {"matmul_model_shapes_flops_per_s_bfloat16": 400e9}, cfg, 32)
+    assert "flop_bound_speedup" not in bf16_only
+    assert bf16_only["continuous_batching_speedup"] == pytest.approx(5.5)

@@ -15,6 +15,7 @@ blocks serve another's prompts (a one-request run that repeated its warm-up's pr
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from splitphase.audit.flops import decode_flops, kv_bytes_per_token, prefill_flops
 from splitphase.engine.llm import LLM
@@ -70,3 +71,31 @@ def flop_bound_tok_per_s(
     the ceiling the CPU's (or GPU's) FLOP rate puts on the batching speedup."""
     seconds = concurrent * request_flops(cfg, prompt_len, output_len) / peak_flops_per_s
     return concurrent * output_len / seconds
+
+
+def measure(model: Transformer, concurrent: int, prompt_len: int, output_len: int
+            ) -> dict[str, Any]:
+    """One request's output tok/s and `concurrent` requests', on the same model."""
+    return {
+        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "prompt_len": prompt_len, "output_len": output_len,
+        "engine_tok_per_s_1": engine_output_tok_per_s(model, 1, prompt_len, output_len),
+        "engine_tok_per_s_concurrent": engine_output_tok_per_s(
+            model, concurrent, prompt_len, output_len
+        ),
+    }
+
+
+def figures(b: dict[str, Any], peaks: dict[str, float], cfg: ModelConfig, concurrent: int
+            ) -> dict[str, Any]:
+    """`measure`'s rates with the speedup, and the ceiling the run's matmul peak puts on it
+    (where the peak was measured in the engine's dtype)."""
+    out = {**b, "continuous_batching_speedup":
+           b["engine_tok_per_s_concurrent"] / b["engine_tok_per_s_1"]}
+    peak = peaks.get(f"matmul_model_shapes_flops_per_s_{b['dtype']}")
+    if peak:
+        bound = flop_bound_tok_per_s(cfg, concurrent, b["prompt_len"], b["output_len"], peak)
+        out["flop_bound_tok_per_s_concurrent"] = bound
+        out["flop_bound_speedup"] = bound / b["engine_tok_per_s_1"]
+        out["concurrent_peak_fraction"] = b["engine_tok_per_s_concurrent"] / bound
+    return out
