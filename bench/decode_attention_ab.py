@@ -2,9 +2,10 @@
 
 One decode step's attention over a preset's layers (base-125m: 12 layers, 12 query heads over
 4 K/V heads of 64): each layer's K/V pool (slots, G, D) holds `batch` contexts of `context`
-tokens in blocks of 16 slots, shuffled as a paged cache leaves them, and one query token per
-sequence attends to its own. Between layers a buffer larger than the last-level cache is
-read, untimed, as a step's weights would stream through: each layer's K/V comes from memory.
+tokens in blocks of 16 slots (the engine's default; `--block` times other sizes), shuffled as
+a paged cache leaves them, and one query token per sequence attends to its own. Between
+layers a buffer larger than the last-level cache is read, untimed, as a step's weights would
+stream through: each layer's K/V comes from memory.
 "native" is `torch.ops.splitphase.decode_attention`; "stream" moves the same pools through
 the batch-1 linear kernel (each pool as a weight of up to 1024 columns times one row), the
 speed at which decode streams its weights here: what reading these bytes could take. Both run
@@ -13,9 +14,10 @@ after each region and would take the second core from the kernel's helper (with 
 torch, a b1 step at context 512 took 8 ms against 1). Variants alternate layer set by layer
 set; each figure is the best round. Prints ms per step, the bytes each read over that time
 (native: the contexts' K/V; stream: the whole pools, the same where context is a multiple of
-16), and native's GB/s as a fraction of the stream's. Nothing is asserted.
+the block), and native's GB/s as a fraction of the stream's. Nothing is asserted.
 
     OMP_NUM_THREADS=2 python bench/decode_attention_ab.py --batch 1 8 --context 512 2048
+    python bench/decode_attention_ab.py --batch 8 32 --context 2048 --block 16 64  # block sizes
 """
 
 from __future__ import annotations
@@ -44,28 +46,30 @@ def stream(*tensors: torch.Tensor) -> object:
     return torch.ops.splitphase.skinny_linear(x, [t.view(-1, cols) for t in tensors], 0)
 
 
-def paged_slots(batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
-    """(batch, context) slots: each sequence's blocks of BLOCK slots, shuffled over the pool."""
-    blocks = -(-context // BLOCK)
+def paged_slots(batch: int, context: int, gen: torch.Generator, block: int = BLOCK
+                ) -> torch.Tensor:
+    """(batch, context) slots: each sequence's blocks of `block` slots, shuffled over the pool."""
+    blocks = -(-context // block)
     order = torch.randperm(batch * blocks, generator=gen)
     table = order.view(batch, blocks)
     pos = torch.arange(context)
-    return table[:, pos // BLOCK] * BLOCK + pos % BLOCK
+    return table[:, pos // block] * block + pos % block
 
 
 class Layers:
     """A step's K/V pools, one per layer, and the queries and slots that read them."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
+                 block: int = BLOCK) -> None:
         gen = torch.Generator().manual_seed(0)
-        slots_n = batch * -(-context // BLOCK) * BLOCK
+        slots_n = batch * -(-context // block) * block
         shape = (slots_n, cfg.n_kv_heads, cfg.head_dim)
         self.pools = [
             tuple(torch.randn(shape, generator=gen).to(dtype) for _ in "kv")
             for _ in range(cfg.n_layers)
         ]
         self.q = torch.randn(batch, cfg.n_heads, cfg.head_dim, generator=gen).to(dtype)
-        self.slots = paged_slots(batch, context, gen)
+        self.slots = paged_slots(batch, context, gen, block)
         self.lengths = torch.full((batch,), context, dtype=torch.long)
         self.flush = torch.zeros(FLUSH_BYTES // 4)
         per_token = 2 * cfg.n_kv_heads * cfg.head_dim * self.q.element_size()
@@ -112,6 +116,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, nargs="+", default=[BLOCK],
+                    help="slots a K/V block (EngineConfig.block_size), each timed in turn")
     args = ap.parse_args()
     if not build.available():
         raise SystemExit(f"native kernels unavailable: {build.status().reason}")
@@ -122,13 +128,18 @@ def main() -> None:
           f"H {cfg.n_heads} G {cfg.n_kv_heads} D {cfg.head_dim}, load before {os.getloadavg()}")
     for batch in args.batch:
         for context in args.context:
-            layers = Layers(cfg, batch, context, dtype)
-            best = best_steps(layers, args.rounds)
-            rate = {name: layers.bytes[name] / s / 1e9 for name, s in best.items()}
-            print(f"b{batch} context {context}: " + ", ".join(
-                f"{name} {1e3 * s:.2f} ms {rate[name]:.1f} GB/s" for name, s in best.items())
-                + f"; native at {100 * rate['native'] / rate['stream']:.0f}% of the stream's GB/s")
+            for block in args.block:
+                _report(Layers(cfg, batch, context, dtype, block), args.rounds,
+                        f"b{batch} context {context} block {block}")
     print(f"load after {os.getloadavg()}")
+
+
+def _report(layers: Layers, rounds: int, label: str) -> None:
+    best = best_steps(layers, rounds)
+    rate = {name: layers.bytes[name] / s / 1e9 for name, s in best.items()}
+    print(f"{label}: " + ", ".join(
+        f"{name} {1e3 * s:.2f} ms {rate[name]:.1f} GB/s" for name, s in best.items())
+        + f"; native at {100 * rate['native'] / rate['stream']:.0f}% of the stream's GB/s")
 
 
 if __name__ == "__main__":
