@@ -15,6 +15,7 @@ import torch
 
 from splitphase.engine.kv_cache import PaddedQueries, PagedAttention, PagedKVCache, PrefillSlice
 from splitphase.engine.policies import SchedulerOutput
+from splitphase.hardware.huge_pages import weights_on_huge_pages
 from splitphase.kernels import packed_linear
 from splitphase.model.transformer import Transformer
 
@@ -62,6 +63,8 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
         self.model, self.cache = model, cache
         self.device = model.device
+        if self.device.type == "cpu":
+            weights_on_huge_pages(model)  # batched decode steps 1-5% faster (huge_pages.py)
         self.has_aux_flow = bool(getattr(model, "has_aux_flow", False))
 
     @torch.inference_mode()
