@@ -65,6 +65,8 @@ def test_moves_large_parameters_in_place_and_keeps_ties() -> None:
     assert m.big.weight is big and m.head.weight is big and big.requires_grad
     assert big.data_ptr() % HUGE_PAGE_BYTES == 0 and torch.equal(big, values)
     assert small.data_ptr() == small_ptr
+    ptr = big.data_ptr()
+    assert weights_on_huge_pages(m) == 0 and big.data_ptr() == ptr  # moved once, for good
 
 
 def test_nothing_moves_where_thp_is_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

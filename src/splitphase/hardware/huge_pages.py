@@ -64,24 +64,28 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor | None:
 def weights_on_huge_pages(module: torch.nn.Module) -> int:
     """Moves each CPU parameter of at least one huge page into a huge-page copy, in place
     (`param.data`: tied weights stay tied, and a module's `_apply` hook sees the change, as
-    for `.to()`). Returns the bytes moved; 0 where THP is off."""
-    if not transparent_huge_pages():
-        return 0
+    for `.to()`). Returns the bytes moved; 0 where THP is off or all were moved before."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if not transparent_huge_pages() or not any(_wants_move(t) for t in tensors):
+        return 0  # and `_apply` does not run: the model keeps its cached weight lists
     moved = 0
-    copies: set[int] = set()  # a tied weight comes round once per module that holds it
 
     def move(t: torch.Tensor) -> torch.Tensor:
         nonlocal moved
-        nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or t.data_ptr() in copies:
-            return t
-        copy = huge_page_copy(t.detach())
+        copy = huge_page_copy(t.detach()) if _wants_move(t) else None
         if copy is None:
             return t
-        copies.add(copy.data_ptr())
-        moved += nbytes
+        moved += t.numel() * t.element_size()
         return copy
 
     with torch.no_grad():
         module._apply(move)
     return moved
+
+
+def _wants_move(t: torch.Tensor) -> bool:
+    # 2 MiB-aligned: a copy made here already (a tied weight comes round once per module that
+    # holds it; a second engine over the same model finds them all), or, rarely, a malloc'd
+    # tensor that happens to be, which then stays where it is.
+    big = t.numel() * t.element_size() >= HUGE_PAGE_BYTES
+    return t.device.type == "cpu" and big and t.data_ptr() % HUGE_PAGE_BYTES != 0
