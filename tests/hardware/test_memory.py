@@ -76,3 +76,28 @@ def test_kept_memory_serves_activations_without_page_faults() -> None:
     # The default's figure varies with how glibc's thresholds happened to move (0 to ~12k
     # faults a layer); kept memory settles at none.
     assert float(_child(_FAULTS_PER_LAYER, "keep")) < 100
+
+
+# RSS (MiB) with 400 MiB of 8 MiB blocks freed into kept memory, then after the trim ("trim")
+# or without it.
+_KEPT_THEN_TRIMMED = """
+import sys, torch
+from splitphase.hardware.memory import keep_freed_memory, return_freed_memory
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+assert keep_freed_memory()
+blocks = [torch.ones(2 * 2**20) for _ in range(50)]
+held = rss()
+del blocks
+if sys.argv[1] == "trim":
+    assert return_freed_memory()
+print(held - rss())
+"""
+
+
+@needs_glibc
+def test_returning_freed_memory_gives_kept_blocks_back() -> None:
+    assert int(_child(_KEPT_THEN_TRIMMED, "keep")) < 100  # kept: freed, still resident
+    assert int(_child(_KEPT_THEN_TRIMMED, "trim")) > 300  # trimmed: most of the 400 MiB back

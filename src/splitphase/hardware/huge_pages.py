@@ -6,9 +6,10 @@ host (AVX2, 2 threads), the same model with its weights copied into memory advis
 pages, the two stepped in alternation in one process (8 steps a burst, best of each, four
 rounds, either one first): batch 16 at context 128 took 0.95-0.99x the time, batch 32
 0.96-0.99x, batch 8 at context 512 0.95-1.0x, batch 1 0.98-1.03x (nothing: its one pass over
-each row is the memory's pace). The cost is a copy of each weight once, at engine start.
+each row is the memory's pace). The cost is a copy of each weight once, at engine start; the
+old copies' memory goes back to the OS (`return_freed_memory`).
 
-Only regions of at least one huge page are moved; where the kernel has transparent huge pages
+Only tensors of at least one huge page are moved; where the kernel has transparent huge pages
 off, or the mapping fails, tensors stay where they are.
 """
 
@@ -19,6 +20,8 @@ import mmap
 from pathlib import Path
 
 import torch
+
+from splitphase.hardware.memory import return_freed_memory
 
 HUGE_PAGE_BYTES = 2 * 2**20
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -80,6 +83,7 @@ def weights_on_huge_pages(module: torch.nn.Module) -> int:
 
     with torch.no_grad():
         module._apply(move)
+    return_freed_memory()  # the old copies: malloc would keep them (keep_freed_memory)
     return moved
 
 
