@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +51,14 @@ from splitphase.audit.flops import (
 from splitphase.data.shards import load_meta, load_split, load_val_boundaries
 from splitphase.model.config import ModelConfig
 from splitphase.training.evaluate import evaluate
+from splitphase.training.quality_report import (
+    compact_si,
+    markdown_table,
+    summarize,
+    text_table,
+    verdict,
+    verdict_line,
+)
 from splitphase.training.trainer import STATE_FILE, TrainConfig, Trainer
 
 DEFAULT_OUT = Path("bench/results/dual_flow_quality.json")
@@ -195,7 +201,7 @@ def describe_geometry(s: Settings) -> dict[str, str]:
         f"vocab={base.cfg.vocab_size}",
         "matched": f"baseline-{s.matched}: n_layers {base.cfg.n_layers} -> {wide.cfg.n_layers}, "
         f"d_ff {base.cfg.d_ff} -> {wide.cfg.d_ff}: decode FLOPs/token at context {ctx} "
-        f"{_si(got)} vs Dual-Flow {_si(target)} ({100 * (got / target - 1):+.2f}%)",
+        f"{compact_si(got)} vs Dual-Flow {compact_si(target)} ({100 * (got / target - 1):+.2f}%)",
         "moe": f"{pool.name}: {pool.n_experts} routed experts of width {pool.d_expert} + "
         f"{pool.n_shared_experts} shared of width {pool.d_expert}, router {pool.d_model}x"
         f"{pool.n_experts}, every layer MoE; k1 in {{1, 2}}, k2 in {{1, 2, 4}}",
@@ -265,16 +271,6 @@ def run_seed(row: Row, seed: int, s: Settings, data: dict[str, np.ndarray], work
     }
 
 
-def summarize(seeds: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Mean and sample standard deviation over seeds (std is None with one seed)."""
-    out: dict[str, Any] = {"n": len(seeds)}
-    for key in ("loss", "continuation_loss"):
-        xs = [r[key] for r in seeds.values() if r[key] is not None]
-        out[f"{key}_mean"] = statistics.fmean(xs) if xs else None
-        out[f"{key}_std"] = statistics.stdev(xs) if len(xs) > 1 else None
-    return out
-
-
 # ---------------------------------------------------------------- results file
 
 
@@ -307,98 +303,6 @@ def row_entry(doc: dict[str, Any], row: Row, s: Settings) -> dict[str, Any]:
     entry.update(name=row.name, group=row.group, what=row.what, arch=row.cfg.arch,
                  config=row.cfg.to_dict(), steps=row.steps, cost=row_cost(row, s))
     return dict(entry)
-
-
-# ---------------------------------------------------------------- verdict and tables
-
-
-def compare(doc: dict[str, Any], ref: str, name: str) -> tuple[float, float] | None:
-    """(margin of name below ref in val NLL, sd of a single-seed difference) or None."""
-    rows = doc["rows"]
-    a, b = rows.get(ref, {}).get("summary"), rows.get(name, {}).get("summary")
-    if a is None or b is None or a["loss_std"] is None or b["loss_std"] is None:
-        return None
-    return a["loss_mean"] - b["loss_mean"], math.hypot(a["loss_std"], b["loss_std"])
-
-
-def verdict(doc: dict[str, Any]) -> dict[str, Any]:
-    """Dual-Flow against rows 1, 3, 4: margins in units of sqrt(std_a^2 + std_b^2)."""
-    out: dict[str, Any] = {}
-    for ref in ("baseline", "baseline-2x-tokens", f"baseline-{doc['settings']['matched']}"):
-        got = compare(doc, ref, "dual-flow")
-        if got is not None:
-            margin, sd = got
-            out[ref] = {"margin": margin, "sd": sd, "sds": margin / sd if sd else math.inf,
-                        "beats_by_2sd": margin > 2 * sd}
-    return out
-
-
-def verdict_line(doc: dict[str, Any]) -> str:
-    """The final line: does Dual-Flow beat the baseline by more than two standard deviations?"""
-    v = doc.get("verdict", {}).get("baseline")
-    if v is None:
-        return ("VERDICT: undetermined: needs the rows baseline and dual-flow with >= 2 seeds each")
-    rows = doc["rows"]
-    b, d = rows["baseline"]["summary"], rows["dual-flow"]["summary"]
-    word = "YES" if v["beats_by_2sd"] else "NO"
-    return (f"VERDICT: Dual-Flow beats the baseline by more than two standard deviations: {word} "
-            f"(val NLL {d['loss_mean']:.4f} ± {d['loss_std']:.4f} vs {b['loss_mean']:.4f} ± "
-            f"{b['loss_std']:.4f}; margin {v['margin']:+.4f} = {v['sds']:.1f} sd, "
-            f"sd = sqrt(std_b^2 + std_d^2) = {v['sd']:.4f}; {d['n']} and {b['n']} seeds)")
-
-
-def _si(x: float, unit: str = "") -> str:
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f}{prefix}{unit}"
-    return f"{x:.0f}{unit}"
-
-
-def _pm(summary: dict[str, Any], key: str) -> str:
-    mean, std = summary.get(f"{key}_mean"), summary.get(f"{key}_std")
-    if mean is None:
-        return "-"
-    return f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
-
-
-TABLE_HEAD = ("row", "#", "val NLL", "cont. NLL", "Δ val", "seeds", "params", "prefill FLOP/tok",
-              "decode FLOP/tok", "decode B/step", "KV B/tok", "train FLOPs")
-
-
-def table_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
-    """One tuple of strings per row of the results, in TABLE_HEAD order."""
-    ref = doc["rows"].get("baseline", {}).get("summary", {}).get("loss_mean")
-    out: list[tuple[str, ...]] = []
-    for e in doc["rows"].values():
-        s, c = e.get("summary", {}), e["cost"]
-        delta = "-" if ref is None or s.get("loss_mean") is None else f"{s['loss_mean'] - ref:+.4f}"
-        out.append((e["name"], e["group"], _pm(s, "loss"), _pm(s, "continuation_loss"), delta,
-                    str(s.get("n", 0)), _si(c["params"]), _si(c["prefill_flops_per_token"]),
-                    _si(c["decode_flops_per_token"]), _si(c["decode_bytes_per_step"], "B"),
-                    f"{c['kv_bytes_per_token']:,}", _si(c["train_flops"])))
-    return out
-
-
-def text_table(doc: dict[str, Any]) -> str:
-    """Aligned plain-text table."""
-    rows = [TABLE_HEAD, *table_rows(doc)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(TABLE_HEAD))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
-
-
-def markdown_table(doc: dict[str, Any]) -> str:
-    """The README table."""
-    s = doc["settings"]
-    lines = [
-        f"Validation NLL (nats/token) of the decode-time prediction, `{s['preset']}`, "
-        f"{s['steps']} steps of {s['batch_size']}x{s['seq_len']} tokens, mean ± std over seeds; "
-        f"costs from `audit.flops` (bf16, batch 1, context {s['context']}).",
-        "",
-        "| " + " | ".join(TABLE_HEAD) + " |",
-        "|" + "---|" * len(TABLE_HEAD),
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in table_rows(doc)]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- command line
