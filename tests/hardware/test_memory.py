@@ -78,8 +78,8 @@ def test_kept_memory_serves_activations_without_page_faults() -> None:
     assert float(_child(_FAULTS_PER_LAYER, "keep")) < 100
 
 
-# RSS (MiB) with 400 MiB of 8 MiB blocks freed into kept memory, then after the trim ("trim")
-# or without it.
+# How far RSS (MiB) falls once 400 MiB of 8 MiB blocks are freed into kept memory, with the
+# trim ("trim") or without it.
 _KEPT_THEN_TRIMMED = """
 import sys, torch
 from splitphase.hardware.memory import keep_freed_memory, return_freed_memory
