@@ -123,10 +123,10 @@ inline int narrow_cols(int64_t k) {
 // last 8 x rows if mp leaves them, `cols` weight rows at a time. Only the first 16 x rows of
 // a group wait on its rows from memory, the others find them in L1; the last 16 ask for the
 // next group's rows meanwhile, so memory works while they compute (where the next group lies
-// within the ask_rows rows from w that this thread multiplies; 0: never). That paid up to 32 x rows: base-125m's layer linears and LM head
-// together (fp32, 12 layers, old and new code in turn) took 0.80-0.92x the time at 12-24 rows
-// and 0.86-1.00x at 32; at 48 and 64 rows, where a group's rows serve three or four 16-row
-// tiles, 0.95-1.06x. Rows 4 KiB apart (k a multiple of 1024: the down projection) do not ask
+// within the ask_rows rows from w that this thread multiplies; 0: never). That paid up to 32
+// x rows: base-125m's layer linears and LM head together (fp32, 12 layers, old and new code
+// in turn) took 0.80-0.92x the time at 12-24 rows and 0.86-1.00x at 32; at 48 and 64 rows,
+// where a group's rows serve three or four 16-row tiles, 0.95-1.06x. Rows 4 KiB apart (k a multiple of 1024: the down projection) do not ask
 // (columns): in a one-thread harness the next rows, in the same L1 sets as the current ones,
 // made the tile 5% slower.
 inline void multiply(const float* xb, int64_t mp, const float* w, int64_t stride, int64_t kb,
