@@ -261,6 +261,7 @@ def _summary(results: dict, primary: str) -> dict[str, Any]:
         **{k: v for k, v in r["ratios"].items()},
         "continuous_batching_speedup": results["batching"]["continuous_batching_speedup"],
         "continuous_batching_flop_bound_speedup": results["batching"].get("flop_bound_speedup"),
+        "continuous_batching_decode_speedup": results["batching"].get("decode_batching_speedup"),
     }
 
 
@@ -318,6 +319,10 @@ def _print_table(results: dict) -> None:
              if "flop_bound_speedup" in b else "")
     print(f"engine: {b['continuous_batching_speedup']:.2f}x output tok/s at "
           f"{results['concurrent']} concurrent vs 1{bound}")
+    if "decode_batching_speedup" in b:
+        print(f"  its decode steps alone: {b['decode_batching_speedup']:.2f}x tok/s; the "
+              f"{results['concurrent']} prompts' prefill took "
+              f"{b['prefill_time_fraction_concurrent']:.0%} of the concurrent run")
 
 
 def _bf16_attention(head_dim: int) -> str:

@@ -85,6 +85,10 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
     assert b["concurrent_peak_fraction"] == pytest.approx(
         b["engine_tok_per_s_concurrent"] / b["flop_bound_tok_per_s_concurrent"])
     assert data["continuous_batching_flop_bound_speedup"] == b["flop_bound_speedup"]
+    assert data["continuous_batching_decode_speedup"] == pytest.approx(  # the decode steps alone
+        b["engine_decode_tok_per_s_concurrent"] / b["engine_decode_tok_per_s_1"])
+    assert 0 < b["prefill_time_fraction_concurrent"] < 1
+    assert "its decode steps alone" in proc.stdout
     assert "dec b1 tok/s" in proc.stdout and f"wrote {out}" in proc.stdout
     assert "the matmul peak's bound" in proc.stdout
 

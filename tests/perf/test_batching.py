@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from splitphase.audit.flops import decode_flops, prefill_flops
+from splitphase.engine.llm_engine import StepRecord
 from splitphase.model.config import ModelConfig
-from splitphase.perf.batching import figures, flop_bound_tok_per_s, request_flops
+from splitphase.model.transformer import Transformer
+from splitphase.perf.batching import (
+    engine_rates,
+    figures,
+    flop_bound_tok_per_s,
+    phase_rates,
+    request_flops,
+)
 
 
 def test_request_flops_is_the_prefill_then_one_decode_step_per_further_token() -> None:
@@ -41,3 +49,38 @@ def test_figures_add_the_speedup_and_the_ceiling_only_where_the_peak_has_the_eng
     bf16_only = figures(measured, {"matmul_model_shapes_flops_per_s_bfloat16": 400e9}, cfg, 32)
     assert "flop_bound_speedup" not in bf16_only
     assert bf16_only["continuous_batching_speedup"] == pytest.approx(5.5)
+
+
+def _step(prefill_tokens: int, decode_seqs: int, wall_s: float) -> StepRecord:
+    return StepRecord(0, "x", prefill_tokens, decode_seqs, wall_s, 0.0, 0.0)
+
+
+def test_phase_rates_count_mixed_steps_as_prefill_and_skip_empty_ones() -> None:
+    steps = [_step(100, 0, 0.5), _step(28, 4, 0.1), _step(0, 8, 0.2), _step(0, 8, 0.2),
+             _step(0, 0, 0.3)]
+    rates = phase_rates(steps)
+    assert rates["prefill_tok_per_s"] == pytest.approx(128 / 0.6)
+    assert rates["decode_tok_per_s"] == pytest.approx(16 / 0.4)
+    assert phase_rates([_step(0, 1, 0.1)]) == {"decode_tok_per_s": pytest.approx(10.0)}
+
+
+def test_figures_split_the_concurrent_run_into_its_phases() -> None:
+    cfg = ModelConfig.from_name("base-125m")
+    measured = {"dtype": "float32", "prompt_len": 64, "output_len": 65,
+                "engine_tok_per_s_1": 50.0, "engine_tok_per_s_concurrent": 275.0,
+                "engine_decode_tok_per_s_1": 60.0, "engine_decode_tok_per_s_concurrent": 480.0,
+                "engine_prefill_tok_per_s_concurrent": 1024.0}
+    out = figures(measured, {}, cfg, 32)
+    assert out["decode_batching_speedup"] == pytest.approx(8.0)
+    prefill_s, decode_s = 32 * 64 / 1024.0, 32 * 64 / 480.0  # 2 s, 4.27 s
+    assert out["prefill_time_fraction_concurrent"] == pytest.approx(
+        prefill_s / (prefill_s + decode_s))
+    assert "decode_batching_speedup" not in figures(
+        {k: v for k, v in measured.items() if "decode" not in k}, {}, cfg, 32)
+
+
+def test_engine_rates_time_one_run_and_its_phases() -> None:
+    model = Transformer(ModelConfig.from_name("tiny")).eval()
+    rates = engine_rates(model, 3, 5, 4)
+    assert set(rates) == {"tok_per_s", "prefill_tok_per_s", "decode_tok_per_s"}
+    assert all(v > 0 for v in rates.values())
