@@ -85,11 +85,13 @@ def _serve(args: argparse.Namespace) -> None:
         health_stall_s=args.health_stall_timeout,
         engine_process=args.engine_process,
         compile=tuple(p for p in (args.compile or "").split(",") if p),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     serve(config, args.host, args.port, args.log_level)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from splitphase.engine.config import KV_CACHE_DTYPES
     from splitphase.server.config import serve_policies
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with per-phase metrics")
@@ -120,6 +122,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                     metavar="PHASES", help="run the model's passes through torch.compile: "
                     "prefill, decode or prefill,decode (the default when given alone); see "
                     "README \"torch.compile\" for where it helps")
+    sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="dtype of the paged K/V pool (auto: the model's); bfloat16 under an "
+                    "fp32 model holds twice the tokens in the same memory")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 

@@ -15,6 +15,7 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
+from splitphase.audit.flops import step_cost
 from splitphase.engine.async_engine import AsyncEngine
 from splitphase.engine.config import EngineConfig
 from splitphase.engine.disagg import DisaggConfig, DisaggregatedEngine, WorkerDiedError
@@ -130,6 +131,28 @@ def test_greedy_matches_mixed(pair, mixed):
 def test_seeded_sampling_matches_mixed(pair, mixed):
     outs = run(pair, PROMPTS, SEEDED)
     assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS, SEEDED)]
+
+
+def test_a_bf16_pool_pair_matches_mixed_over_a_bf16_pool(checkpoint, tiny_model, tokenizer):
+    # K/V leave the prefill worker's bf16 pool as bf16 bytes and land in the decode worker's.
+    engine = DisaggregatedEngine(DisaggConfig(
+        model=checkpoint, engine={"num_blocks": 64, "kv_cache_dtype": "bfloat16"},
+        worker_threads=1))
+    try:
+        run(engine, PROMPTS[1:2])
+        first = next(s for s in engine.steps if s.role == "prefill")
+        outs = run(engine, PROMPTS)
+    finally:
+        pids = list(engine.worker_pids.values())
+        engine.close()
+        assert_gone(pids)
+    n = len(PROMPTS[1])  # the prefill worker charged its step bf16 K/V bytes: its pool's
+    assert first.num_prefill_tokens == n
+    assert first.bytes == step_cost(tiny_model.cfg, [(n, 0)], [], 4, kv_dtype_bytes=2).bytes
+    with torch.inference_mode():
+        cfg = EngineConfig(policy="mixed", num_blocks=64, kv_cache_dtype="bfloat16")
+        want = run(LLMEngine(tiny_model, tokenizer, cfg), PROMPTS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
 
 
 def test_abort_frees_blocks_on_both_workers(pair):
@@ -331,7 +354,8 @@ def test_worker_options_round_trip_through_the_command_line():
         "10.0.0.1:7100",
         "tcp://10.0.0.1:29500",
         threads=2,
-        engine={"num_blocks": 8, "enable_prefix_caching": False, "kv_memory_fraction": 0.5},
+        engine={"num_blocks": 8, "enable_prefix_caching": False, "kv_memory_fraction": 0.5,
+                "kv_cache_dtype": "bfloat16", "compile": ("prefill", "decode")},
     )
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)

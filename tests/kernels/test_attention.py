@@ -56,6 +56,27 @@ def test_bf16_matches_within_bf16_rounding() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize(("heads", "groups", "dim"), [(12, 4, 64), (6, 2, 24)])
+def test_fp32_queries_over_a_bf16_pool_read_the_pools_values_exactly(
+    heads: int, groups: int, dim: int
+) -> None:
+    # kv_cache_dtype="bfloat16" under an fp32 model: the native kernel widens each stored
+    # value, so it agrees with fp32 attention over the pool's values widened up front.
+    q, k, v, slots, lengths = _case(torch.float32, heads, groups, dim, seed=5)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    with torch.inference_mode():
+        got = decode_attention(q, kb, vb, slots, lengths)
+        assert got.dtype == torch.float32
+        ref = decode_attention(q, kb.float(), vb.float(), slots, lengths)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(_torch_path(q, kb, vb, slots, lengths), ref,
+                                   atol=2e-6, rtol=1e-5)
+        # and the pool's rounding is all that separates it from fp32 K/V
+        torch.testing.assert_close(got, decode_attention(q, k, v, slots, lengths),
+                                   atol=3e-2, rtol=3e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(12, 4, 64), (6, 2, 24)])
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(
     heads: int, groups: int, dim: int
 ) -> None:

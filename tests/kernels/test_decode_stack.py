@@ -155,13 +155,15 @@ def test_moe_runs_per_op(calls: list[int]) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])  # bf16: narrower than fp32
 def test_engine_decode_steps_use_it_and_match_per_op(
-    tokenizer: Tokenizer, calls: list[int]
+    tokenizer: Tokenizer, calls: list[int], kv_cache_dtype: str
 ) -> None:
     model = _model(vocab_size=tokenizer.vocab_size)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[0, *range(5, 5 + n)] for n in (3, 17, 9)]
-    cfg = EngineConfig(policy="mixed", num_blocks=64, max_num_seqs=4)
+    cfg = EngineConfig(policy="mixed", num_blocks=64, max_num_seqs=4,
+                       kv_cache_dtype=kv_cache_dtype)
     runs = []
     for on in (True, False):
         decode_stack.set_enabled(on)

@@ -8,6 +8,8 @@ from splitphase.errors import UserError
 
 ENGINE_POLICIES = ("mixed", "chunked", "disaggregated")
 COMPILE_PHASES = ("prefill", "decode")  # splitphase.model.compiled.PHASES, without torch
+# What the paged pool stores K/V in: "auto" is the model's dtype (vLLM's --kv-cache-dtype).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -27,12 +29,18 @@ class EngineConfig:
     # Phases whose model passes run through torch.compile (process-wide once the engine is
     # built; splitphase.model.compiled): (), ("prefill",), ("decode",) or both.
     compile: tuple[str, ...] = ()
+    # K/V pool dtype (KV_CACHE_DTYPES): bfloat16 under an fp32 model halves the pool's bytes,
+    # so twice the tokens fit and decode reads half the K/V; attention still runs in fp32.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compile", tuple(self.compile))  # a list from JSON or kwargs
         bad = [p for p in self.compile if p not in COMPILE_PHASES]
         if bad:
             raise UserError(f"compile phases must be among {COMPILE_PHASES}, got {bad}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.policy not in ENGINE_POLICIES:
             raise UserError(f"policy must be one of {ENGINE_POLICIES}, got {self.policy!r}")
         if (self.policy == "disaggregated") != (self.role in ("prefill", "decode")):

@@ -33,6 +33,16 @@ from splitphase.errors import UserError
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("policy", "role"))
 
 
+def _phases(text: str) -> tuple[str, ...]:
+    return tuple(p for p in text.split(",") if p)
+
+
+# How a worker's command line spells the engine fields that are not integers (to_argv joins
+# a tuple with commas).
+_FIELD_TYPES: dict[str, Any] = {"kv_memory_fraction": float, "kv_cache_dtype": str,
+                                "compile": _phases}
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """How to start one worker; `to_argv()` is its `splitphase worker` command line."""
@@ -89,7 +99,8 @@ class WorkerOptions:
             if name == "enable_prefix_caching":
                 argv += [] if value else ["--no-prefix-caching"]
             elif value is not None:
-                argv += ["--" + name.replace("_", "-"), str(value)]
+                text = ",".join(value) if isinstance(value, tuple | list) else str(value)
+                argv += ["--" + name.replace("_", "-"), text]
         return argv
 
 
@@ -110,8 +121,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         if name == "enable_prefix_caching":
             p.add_argument("--no-prefix-caching", action="store_true")
         else:
-            kind = float if name == "kv_memory_fraction" else int
-            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+            p.add_argument("--" + name.replace("_", "-"), type=_FIELD_TYPES.get(name, int),
+                           default=None)
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:

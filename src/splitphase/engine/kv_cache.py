@@ -27,6 +27,11 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> i
     return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for an EngineConfig.kv_cache_dtype ("auto": the model's own)."""
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory on the device (CUDA: mem_get_info; CPU: MemAvailable)."""
     if device.type == "cuda":
@@ -162,8 +167,9 @@ class PagedAttention:
         self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q (1, N, H, D) or (N, 1, H, D), k/v likewise with G heads -> (.., .., H*D)."""
-        self.cache.k[layer_idx].index_copy_(0, self.write_slots, k.flatten(0, 1))
-        self.cache.v[layer_idx].index_copy_(0, self.write_slots, v.flatten(0, 1))
+        pool_dtype = self.cache.k.dtype  # kv_cache_dtype: may be narrower than the model's
+        self.cache.k[layer_idx].index_copy_(0, self.write_slots, k.flatten(0, 1).to(pool_dtype))
+        self.cache.v[layer_idx].index_copy_(0, self.write_slots, v.flatten(0, 1).to(pool_dtype))
         return self._attend_all(layer_idx, attn, q)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
@@ -187,7 +193,8 @@ class PagedAttention:
         )
         for p in [] if native else self.prefills:
             qc = flat[:, p.rows]  # (1, T, H, D)
-            kc, vc = k_pool[p.context_slots][None], v_pool[p.context_slots][None]  # (1, S, G, D)
+            kc = k_pool[p.context_slots][None].to(q.dtype)  # (1, S, G, D)
+            vc = v_pool[p.context_slots][None].to(q.dtype)
             t, s = qc.shape[1], kc.shape[1]
             mask = None if s == t else causal_mask(t, s, q.device)
             out[:, p.rows] = attn.attend(qc, kc, vc, mask=mask, causal=mask is None)

@@ -17,7 +17,7 @@ import torch
 from splitphase.audit.flops import step_cost
 from splitphase.engine.config import EngineConfig
 from splitphase.engine.detokenizer import IncrementalDetokenizer
-from splitphase.engine.kv_cache import PagedKVCache, num_blocks_for_budget
+from splitphase.engine.kv_cache import PagedKVCache, kv_cache_torch_dtype, num_blocks_for_budget
 from splitphase.engine.model_runner import ModelRunner
 from splitphase.engine.request import Request, RequestStatus, validate_prompt
 from splitphase.engine.sampler import (
@@ -109,16 +109,18 @@ class LLMEngine:
             keep_freed_memory()  # activations reuse the heap instead of fresh page faults
         cfg = model.cfg
         dtype_bytes = model.embed_tokens.weight.element_size()
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
+        kv_dtype_bytes = kv_dtype.itemsize
         num_blocks = config.num_blocks or num_blocks_for_budget(
             cfg,
             config.block_size,
-            dtype_bytes,
+            kv_dtype_bytes,
             config.kv_cache_bytes,
             config.kv_memory_fraction,
             model.device,
             config.max_num_seqs,
         )
-        self.cache = PagedKVCache(cfg, num_blocks, config.block_size, model.dtype, model.device)
+        self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, model.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 policy=config.policy,
@@ -136,7 +138,7 @@ class LLMEngine:
         self.runner.warm_up()
         if config.compile:  # the switch is process-wide: an engine owns its process's model
             compiled.set_enabled(True, config.compile)
-        self.dtype_bytes = dtype_bytes
+        self.dtype_bytes, self.kv_dtype_bytes = dtype_bytes, kv_dtype_bytes
         self.steps: list[StepRecord] = []
         self._tracked: dict[str, _Tracked] = {}
         # Decode worker: K/V received from the prefill worker, loaded when scheduled.
@@ -343,6 +345,7 @@ class LLMEngine:
             [(c.num_tokens, c.start) for c in out.prefill],
             out.decode.positions,
             self.dtype_bytes,
+            kv_dtype_bytes=self.kv_dtype_bytes,
         )
         self.steps.append(
             StepRecord(

@@ -29,7 +29,7 @@ def decode_attention(
         return torch.ops.splitphase.decode_attention(q, k_pool, v_pool, slots, lengths)
     if mask is None:
         mask = (torch.arange(slots.shape[1], device=q.device) < lengths[:, None])[:, None, None]
-    kd, vd = k_pool[slots], v_pool[slots]  # (B, S, G, D) each
+    kd, vd = k_pool[slots].to(q.dtype), v_pool[slots].to(q.dtype)  # (B, S, G, D) each
     out = sdpa_gqa(q[:, :, None], kd.transpose(1, 2), vd.transpose(1, 2), mask, False)
     return out[:, :, 0]  # (B, H, D)
 
@@ -39,5 +39,6 @@ def _native_ok(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> b
         return False
     if torch.is_grad_enabled() and q.requires_grad:
         return False
-    same = k_pool.dtype == q.dtype and v_pool.dtype == q.dtype
-    return same and k_pool.is_contiguous() and v_pool.is_contiguous() and skinny.is_enabled()
+    # The pool's dtype may be narrower than q's (kv_cache_dtype): the kernel reads either.
+    pool_ok = k_pool.dtype == v_pool.dtype and k_pool.dtype in (torch.float32, torch.bfloat16)
+    return pool_ok and k_pool.is_contiguous() and v_pool.is_contiguous() and skinny.is_enabled()

@@ -4,7 +4,7 @@
 // for all its query heads (GQA), a slot's heads side by side, then each K/V head's V rows with
 // that head's query outputs held in registers, without gathering a padded copy of the context
 // first. Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32 or
-// bf16).
+// bf16, the pool's own: it need not be the query's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -372,7 +372,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && lengths.numel() == q.size(0),
               "slots (B, S), lengths (B,)");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "dtype");
+  // The pool may keep K/V narrower than the model computes (an fp32 model over a bf16 pool):
+  // q is read in fp32 either way.
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v pools share a dtype");
   auto sl = slots.contiguous();
   auto ln = lengths.contiguous();
   // Slot values and 1 <= lengths <= S are the caller's contract (checked once per step in

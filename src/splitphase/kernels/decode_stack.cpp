@@ -78,8 +78,10 @@ std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& 
   auto qkv = qkv_linear(h, w, s.max_rows, p);  // (B, H*D), (B, G*D) x2
   auto q = splitphase_ops::rope(qkv[0].view({b, 1, s.heads, s.head_dim}), s.cos, s.sin);
   auto k = splitphase_ops::rope(qkv[1].view({b, 1, s.kv_heads, s.head_dim}), s.cos, s.sin);
-  k_pool.index_copy_(0, s.write_slots, k.view({b, s.kv_heads, s.head_dim}));
-  v_pool.index_copy_(0, s.write_slots, qkv[2].view({b, s.kv_heads, s.head_dim}));
+  // In the pool's dtype, which may be narrower than the model's (to() is a no-op if equal).
+  k_pool.index_copy_(0, s.write_slots, k.view({b, s.kv_heads, s.head_dim}).to(k_pool.dtype()));
+  v_pool.index_copy_(0, s.write_slots,
+                     qkv[2].view({b, s.kv_heads, s.head_dim}).to(v_pool.dtype()));
   auto a = splitphase_ops::decode_attention(q.view({b, s.heads, s.head_dim}), k_pool, v_pool,
                                             s.slots, s.lengths);  // (B, H, D)
   auto slice = [&p](int64_t i, int64_t n) { return p.empty() ? p : p.slice(i, n); };

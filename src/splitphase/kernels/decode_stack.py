@@ -47,8 +47,11 @@ def usable(x: torch.Tensor, weights: list[torch.Tensor], plan: DecodePlan) -> bo
         return False
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return False
-    tensors = [plan.k_cache, plan.v_cache, *weights]
-    return all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
+    pools = (plan.k_cache, plan.v_cache)  # fp32 or bf16, not necessarily the model's dtype
+    if plan.v_cache.dtype != plan.k_cache.dtype or plan.k_cache.dtype not in skinny.MAX_ROWS:
+        return False
+    return all(t.is_contiguous() for t in pools) and all(
+        w.dtype == x.dtype and w.is_contiguous() for w in weights)
 
 
 def decode_layers(

@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from splitphase.engine.config import COMPILE_PHASES
+from splitphase.engine.config import COMPILE_PHASES, KV_CACHE_DTYPES
 from splitphase.errors import UserError
 
 MAX_BODY_BYTES = 4 * 2**20  # 4 MiB: a batch of 2k-token prompts is far smaller; a book is not
@@ -44,6 +44,7 @@ class ServerConfig:
     # disaggregated (its engine already drives worker processes). See `runs_engine_process`.
     engine_process: bool | None = None
     compile: tuple[str, ...] = ()  # phases run through torch.compile (EngineConfig.compile)
+    kv_cache_dtype: str = "auto"  # the K/V pool's dtype (EngineConfig.kv_cache_dtype)
 
     def __post_init__(self) -> None:
         if self.policy not in serve_policies():
@@ -71,6 +72,9 @@ class ServerConfig:
         if bad:
             raise UserError(f"--compile takes phases among {','.join(COMPILE_PHASES)} "
                             f"(comma-separated), got {','.join(bad)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                            f"got {self.kv_cache_dtype!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key must not be empty (omit it to serve without a key)")
 
@@ -93,6 +97,8 @@ class ServerConfig:
             kwargs["compile"] = tuple(self.compile)
         if self.num_blocks is not None:
             kwargs["num_blocks"] = self.num_blocks
+        if self.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         return kwargs
 
     def redacted(self) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""kv_cache_dtype: the paged pool in a dtype other than the model's (bf16 under fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitphase.audit.flops import step_cost
+from splitphase.engine.config import EngineConfig
+from splitphase.engine.llm import LLM
+from splitphase.engine.llm_engine import LLMEngine
+from splitphase.engine.sampling_params import SamplingParams
+from splitphase.errors import UserError
+from splitphase.kernels import skinny
+from splitphase.model.tokenizer import Tokenizer
+from splitphase.model.transformer import Transformer
+
+PROMPTS = [[0, *range(5, 5 + n)] for n in (3, 17, 40)]
+
+
+def _run(engine: LLMEngine, params: SamplingParams) -> list:
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    done = {}
+    with torch.inference_mode():
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def test_an_unknown_dtype_is_refused() -> None:
+    with pytest.raises(UserError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_a_bf16_pool_holds_twice_the_blocks_of_the_same_budget(
+    tiny_model: Transformer, tokenizer: Tokenizer
+) -> None:
+    budget = 1 << 20
+    auto = LLMEngine(tiny_model, tokenizer, EngineConfig(kv_cache_bytes=budget))
+    half = LLMEngine(tiny_model, tokenizer,
+                     EngineConfig(kv_cache_bytes=budget, kv_cache_dtype="bfloat16"))
+    assert auto.cache.k.dtype == torch.float32 and half.cache.k.dtype == torch.bfloat16
+    assert half.cache.v.dtype == torch.bfloat16
+    assert half.cache.num_blocks == 2 * auto.cache.num_blocks
+    assert half.cache.nbytes == auto.cache.nbytes <= budget
+
+
+def test_steps_are_charged_the_pools_kv_bytes(
+    tiny_model: Transformer, tokenizer: Tokenizer
+) -> None:
+    engine = LLMEngine(tiny_model, tokenizer,
+                       EngineConfig(num_blocks=64, kv_cache_dtype="bfloat16"))
+    _run(engine, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    last = engine.steps[-1]  # a decode step of all three, each at its last position
+    assert last.num_prefill_tokens == 0 and last.num_decode_seqs == 3
+    positions = [len(p) + 1 for p in PROMPTS]
+    assert last.bytes == step_cost(tiny_model.cfg, [], positions, 4, kv_dtype_bytes=2).bytes
+    assert last.bytes < step_cost(tiny_model.cfg, [], positions, 4).bytes
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_pool_tracks_the_fp32_pool_on_a_trained_model(native: bool) -> None:
+    # The embedded `small` model, trained: K/V rounded to bf16 (8 bits of mantissa) moves
+    # a greedy continuation's log-probabilities by a few thousandths, not its tokens.
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = ["In the beginning God created", "And the LORD spake unto Moses, saying"]
+    runs = {}
+    skinny.set_enabled(native)  # off: the torch paths (gather, widen, SDPA)
+    try:
+        for kvd in ("auto", "bfloat16"):
+            llm = LLM("small", kv_cache_dtype=kvd, num_blocks=32)
+            runs[kvd] = llm.generate(prompts, [params] * 2)
+    finally:
+        skinny.set_enabled(True)
+    gaps = []
+    for full, half in zip(runs["auto"], runs["bfloat16"], strict=True):
+        assert half.token_ids == full.token_ids
+        gaps += [abs(a.logprob - b.logprob)
+                 for a, b in zip(full.output.logprobs, half.output.logprobs, strict=True)]
+    assert max(gaps) < 0.05  # 0.004 at most here
+    assert max(gaps) > 0  # the pool did round: the two runs are not one
