@@ -11,7 +11,7 @@ from splitphase.engine.llm import LLM
 from splitphase.engine.llm_engine import LLMEngine
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
-from splitphase.kernels import skinny
+from splitphase.kernels import build, prefill_attention, skinny
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 
@@ -79,3 +79,28 @@ def test_bf16_pool_tracks_the_fp32_pool_on_a_trained_model(native: bool) -> None
                  for a, b in zip(full.output.logprobs, half.output.logprobs, strict=True)]
     assert max(gaps) < 0.05  # 0.004 at most here
     assert max(gaps) > 0  # the pool did round: the two runs are not one
+
+
+@pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
+def test_prefill_over_a_bf16_pool_runs_the_native_kernel_on_widened_contexts(
+    tiny_model: Transformer, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    took: list[tuple[torch.dtype, bool]] = []
+    real = prefill_attention.causal_paged
+
+    def spy(q: torch.Tensor, k: torch.Tensor, *args: object) -> bool:
+        took.append((k.dtype, real(q, k, *args)))  # type: ignore[arg-type]
+        return took[-1][1]
+
+    monkeypatch.setattr(prefill_attention, "causal_paged", spy)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)
+    cfg = EngineConfig(num_blocks=64, kv_cache_dtype="bfloat16")
+    native = _run(LLMEngine(tiny_model, tokenizer, cfg), params)
+    assert took and all(t == (torch.float32, True) for t in took)  # widened, then native
+    with prefill_attention.switched(False):  # the torch path: gather, widen, SDPA
+        reference = _run(LLMEngine(tiny_model, tokenizer, cfg), params)
+    for a, b in zip(native, reference, strict=True):
+        got, want = dict(a.logprobs[0].top_logprobs), dict(b.logprobs[0].top_logprobs)
+        both = got.keys() & want.keys()
+        assert len(both) >= 4 and a.token_ids == b.token_ids
+        assert [got[t] for t in both] == pytest.approx([want[t] for t in both], abs=1e-4)

@@ -9,7 +9,7 @@ context, and all decode tokens attend together over their padded contexts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -181,16 +181,28 @@ class PagedAttention:
             return out.reshape(*q.shape[:2], -1)
         return self._attend_all(layer_idx, attn, q)
 
+    def _native_prefill(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor
+    ) -> bool:
+        """All prefill chunks in one native call, reading the pool and the rows in place; a
+        pool narrower than q (kv_cache_dtype) gives the kernel the chunks' contexts widened
+        into a compact pool first (a few MB a layer against the chunk's GEMMs)."""
+        chunks = self._chunks
+        if chunks is None:
+            return False
+        if k_pool.dtype != q.dtype:
+            k_pool = k_pool.index_select(0, chunks.slots).to(q.dtype)
+            v_pool = v_pool.index_select(0, chunks.slots).to(q.dtype)
+            chunks = replace(chunks, slots=torch.arange(chunks.slots.numel()))
+        return prefill_attention.causal_paged(q, k_pool, v_pool, chunks, out)
+
     def _attend_all(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:
         flat = q.reshape(1, self.num_rows, *q.shape[2:])  # (1, N, H, D)
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
         out = torch.empty(
             1, self.num_rows, flat.shape[2] * flat.shape[3], dtype=q.dtype, device=q.device
         )
-        # All prefill chunks in one native call, reading the pool and the rows in place.
-        native = self._chunks is not None and prefill_attention.causal_paged(
-            flat[0], k_pool, v_pool, self._chunks, out[0]
-        )
+        native = self._native_prefill(flat[0], k_pool, v_pool, out[0])
         for p in [] if native else self.prefills:
             qc = flat[:, p.rows]  # (1, T, H, D)
             kc = k_pool[p.context_slots][None].to(q.dtype)  # (1, S, G, D)
