@@ -11,6 +11,7 @@ from splitphase.audit.steps.optimizations import (
     batching_policy,
     dual_flow_decode,
     moe_decode_top_k,
+    narrower_kv_cache,
     optimizations,
     quantized_weights,
 )
@@ -165,6 +166,13 @@ def test_projected_optimizations_use_the_cost_model() -> None:
     util = utilization(profile(_sweep()), LLAMA8B, HW)
     quant = quantized_weights(util, LLAMA8B, HW)
     assert quant.applicable and 1.5 < (quant.speedup or 0) < 2.0  # weights halve, KV stays
+    kv = narrower_kv_cache(util, LLAMA8B, HW)  # bf16 -> fp8 K/V, the weights stay
+    lv = util.decode.headline
+    ctx = [round(lv.context_tokens)] * max(1, round(lv.batch))
+    narrow = fl.decode_bytes(LLAMA8B, ctx, 2, kv_dtype_bytes=1)
+    full = fl.decode_bytes(LLAMA8B, ctx, 2)
+    assert kv.applicable and kv.phase == "decode" and "fp8" in kv.detail
+    assert 1.0 < (kv.speedup or 0) <= full / narrow + 1e-9  # at most the bytes' ratio
     dual = dual_flow_decode(util, LLAMA8B, HW)
     assert dual.applicable and dual.after is not None and dual.before is not None
     assert dual.after >= dual.before  # extra FLOPs are never free on the roofline

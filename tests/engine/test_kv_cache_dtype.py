@@ -104,3 +104,20 @@ def test_prefill_over_a_bf16_pool_runs_the_native_kernel_on_widened_contexts(
         both = got.keys() & want.keys()
         assert len(both) >= 4 and a.token_ids == b.token_ids
         assert [got[t] for t in both] == pytest.approx([want[t] for t in both], abs=1e-4)
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [
+    ("bfloat16", "float32"), ("bfloat16", "float16"), ("float32", "float16")])
+def test_other_model_and_pool_pairs_generate_as_the_models_own_pool(
+    dtype: str, kv_cache_dtype: str
+) -> None:
+    # fp16 pools take the torch paths (gather and widen); a wider pool than the model narrows
+    # when read.
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = ["In the beginning God created"]
+    texts = []
+    for kvd in ("auto", kv_cache_dtype):
+        llm = LLM("small", dtype=dtype, kv_cache_dtype=kvd, num_blocks=32)
+        texts.append(llm.generate(prompt, params)[0].text)
+    assert llm.engine.cache.k.dtype == getattr(torch, kv_cache_dtype)
+    assert texts[1] == texts[0]

@@ -194,6 +194,25 @@ def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
                         "decode step time", "s", before, after, detail)
 
 
+def narrower_kv_cache(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
+    """K/V stored at half the model's width (fp32 -> bf16, bf16 -> fp8): fewer bytes per
+    decode step, the more so the longer the contexts and the larger the batch."""
+    lv = util.decode.headline
+    kv_bytes = max(1, cfg.dtype_bytes // 2)
+    base = fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes)
+    narrow = fl.decode_bytes(cfg, _ctx(lv), cfg.dtype_bytes, kv_dtype_bytes=kv_bytes)
+    before = _projected_s(base, hw, util.dtype, lv.utilization)
+    after = _projected_s(fl.PhaseCost(base.flops, narrow), hw, util.dtype, lv.utilization)
+    name = {2: "bf16", 1: "fp8"}.get(kv_bytes, f"{kv_bytes}-byte")
+    detail = (
+        f"K/V cache in {name} ({cfg.dtype_bytes} -> {kv_bytes} bytes; vLLM's and our engine's "
+        f"kv_cache_dtype): {narrow / base.bytes:.0%} of the bytes per decode step at "
+        f"{lv.context_tokens:.0f} tokens of context, and twice the tokens in the same memory"
+    )
+    return Optimization("narrower K/V cache", "decode", "projected", cfg.dtype_bytes > 1,
+                        "decode step time", "s", before, after, detail)
+
+
 def batching_policy(results: Sequence[PolicyResult], current: str | None) -> Optimization:
     """Measured: the same interference probe under each batching policy of our engine."""
     from splitphase.audit.policies import describe, measured
@@ -238,5 +257,6 @@ def optimizations(
         dual_flow_decode(util, cfg, hw),
         shallower_prefill(util, cfg, hw),
         quantized_weights(util, cfg, hw),
+        narrower_kv_cache(util, cfg, hw),
     ]
     return sorted(found, key=lambda o: (not o.applicable, -(o.speedup or 0.0)))
