@@ -28,7 +28,7 @@ def test_simulated_latencies_track_the_real_engine(tmp_path: Path) -> None:
     # hence looser bounds than the bench's 20% (the README table has the full run). The worst
     # error is bounded on the means: a p50 of 12 TPOTs can sit between the decodes that
     # waited on another request's prefill and those that did not, and jump between the two
-    # (on the AMD Zen 3 host, four runs' worst p50 errors were 0.66-0.98, one earlier run's
+    # (on the AMD Zen 3 host, four runs' worst p50 errors were 0.63-0.98, one earlier run's
     # 1.78; the worst mean errors 0.24-0.45, medians 0.05-0.08).
     doc = _run("sim_validate.py", tmp_path / "v.json", 300)
     rows = doc["rows"]
