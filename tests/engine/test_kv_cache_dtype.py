@@ -121,3 +121,37 @@ def test_other_model_and_pool_pairs_generate_as_the_models_own_pool(
         texts.append(llm.generate(prompt, params)[0].text)
     assert llm.engine.cache.k.dtype == getattr(torch, kv_cache_dtype)
     assert texts[1] == texts[0]
+
+
+@pytest.mark.parametrize("arch", ["dual_flow", "moe"])
+def test_dual_flow_and_moe_decode_over_a_bf16_pool(tokenizer: Tokenizer, arch: str) -> None:
+    # Their decode takes other paths than the fused pass: the auxiliary flow's read-only
+    # attention over the pool, the MoE per-op layers.
+    from splitphase.model.config import ModelConfig
+    from splitphase.model.dual_flow import DualFlowTransformer
+
+    torch.manual_seed(1)
+    if arch == "dual_flow":
+        cfg = ModelConfig.from_name("tiny").with_(vocab_size=tokenizer.vocab_size, arch=arch)
+        model: Transformer = DualFlowTransformer(cfg).eval()
+        with torch.no_grad():  # non-zero couplings: the auxiliary flow changes the output
+            for p in model.couplings.parameters():
+                p.normal_(0, 0.5)
+    else:
+        model = Transformer(ModelConfig.from_name("tiny-moe").with_(
+            vocab_size=tokenizer.vocab_size)).eval()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    runs = [_run(LLMEngine(model, tokenizer, EngineConfig(num_blocks=64, kv_cache_dtype=d)),
+                 params) for d in ("auto", "bfloat16")]
+    compared = 0
+    for full, half in zip(*runs, strict=True):
+        assert len(half.token_ids) == 6
+        for x, y in zip(full.logprobs, half.logprobs, strict=True):  # while the tokens agree
+            a, b = dict(x.top_logprobs), dict(y.top_logprobs)
+            both = a.keys() & b.keys()
+            assert len(both) >= 3
+            assert [a[t] for t in both] == pytest.approx([b[t] for t in both], abs=0.02)
+            compared += 1
+            if x.token_id != y.token_id:
+                break
+    assert compared >= 2 * len(PROMPTS)  # decode steps too, not only the prompts' last rows
