@@ -10,7 +10,7 @@ the pool's width) over that time, and tokens per second. Then prefill alone: `--
 tokens into each engine with prefix caching off, alternating, best time. Prints each pair and
 bf16's time over fp32's (< 1: the narrower pool is faster). Nothing is asserted.
 
-    OMP_NUM_THREADS=2 python bench/kv_cache_dtype_ab.py --batch 8 --context 512 2048
+    OMP_NUM_THREADS=2 python bench/kv_cache_dtype_ab.py --batch 1 8 32 --context 512 2000
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def prefill_row(model: Transformer, tokens: int, rounds: int) -> dict[str, Any]:
         for d, llm in llms.items():
             llm.engine.steps.clear()
             llm.generate(_prompts(model.cfg.vocab_size, 1, tokens, seed=r), params)
-            wall = sum(s.wall_s for s in llm.engine.steps if s.num_prefill_tokens)
-            best[d] = wall if r == 0 else min(best[d], wall)
+            if r:
+                wall = sum(s.wall_s for s in llm.engine.steps if s.num_prefill_tokens)
+                best[d] = min(best[d], wall)
     return {"tokens": tokens, **{d: {"step_s": best[d]} for d in DTYPES},
             "bf16_over_fp32_time": best["bfloat16"] / best["float32"]}
 
