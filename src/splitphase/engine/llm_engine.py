@@ -110,15 +110,9 @@ class LLMEngine:
         cfg = model.cfg
         dtype_bytes = model.embed_tokens.weight.element_size()
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
-        kv_dtype_bytes = kv_dtype.itemsize
         num_blocks = config.num_blocks or num_blocks_for_budget(
-            cfg,
-            config.block_size,
-            kv_dtype_bytes,
-            config.kv_cache_bytes,
-            config.kv_memory_fraction,
-            model.device,
-            config.max_num_seqs,
+            cfg, config.block_size, kv_dtype.itemsize, config.kv_cache_bytes,
+            config.kv_memory_fraction, model.device, config.max_num_seqs,
         )
         self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, model.device)
         self.scheduler = Scheduler(
@@ -138,7 +132,7 @@ class LLMEngine:
         self.runner.warm_up()
         if config.compile:  # the switch is process-wide: an engine owns its process's model
             compiled.set_enabled(True, config.compile)
-        self.dtype_bytes, self.kv_dtype_bytes = dtype_bytes, kv_dtype_bytes
+        self.dtype_bytes, self.kv_dtype_bytes = dtype_bytes, kv_dtype.itemsize
         self.steps: list[StepRecord] = []
         self._tracked: dict[str, _Tracked] = {}
         # Decode worker: K/V received from the prefill worker, loaded when scheduled.
