@@ -45,7 +45,8 @@ else:
 
 step gpu_tests 200 "$py" -m pytest -m gpu -o addopts= -q -p no:cacheprovider -rs \
   tests/model/test_transformer.py tests/model/test_dual_flow.py \
-  tests/engine/test_engine_golden.py tests/perf/test_hf_baseline.py \
+  tests/engine/test_engine_golden.py tests/engine/test_kv_cache_dtype.py \
+  tests/perf/test_hf_baseline.py \
   tests/bench/test_phase_limits.py
 
 limits=(--device "$device" --skip-llamacpp --rounds 2 --out "$out/phase_limits_$device.json")
