@@ -1,9 +1,10 @@
-"""The K/V pool dtype bench runs on the tiny preset: both pools, decode and prefill."""
+"""The K/V pool dtype bench runs on the tiny preset: every pool, decode and prefill."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,14 @@ def test_kv_cache_dtype_ab_times_both_pools(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert [(r["batch"], r["context"]) for r in doc["decode"]] == [(1, 40), (3, 40)]
     cfg = ModelConfig.from_name("tiny")
+    pools = {"float32": 4, "bfloat16": 2, "fp8": 1}  # the default pools and their bytes
     for r in doc["decode"]:
-        full, half = r["float32"], r["bfloat16"]
         lens = [40 + 2] * r["batch"]  # the median step's context
-        assert full["bytes_per_step"] == decode_bytes(cfg, lens, 4)
-        assert half["bytes_per_step"] == decode_bytes(cfg, lens, 4, kv_dtype_bytes=2)
-        assert r["bf16_over_fp32_time"] == pytest.approx(half["step_s"] / full["step_s"])
-    assert doc["prefill"]["tokens"] == 32 and doc["prefill"]["bfloat16"]["step_s"] > 0
-    assert "bf16/fp32" in proc.stdout and "prefill 32: fp32 pool" in proc.stdout
+        for pool, kv_bytes in pools.items():
+            assert r[pool]["bytes_per_step"] == decode_bytes(cfg, lens, 4, kv_dtype_bytes=kv_bytes)
+            assert r["time_over_first"][pool] == pytest.approx(
+                r[pool]["step_s"] / r["float32"]["step_s"])
+    pre = doc["prefill"]
+    assert pre["tokens"] == 32 and all(pre[p]["step_s"] > 0 for p in pools)
+    assert re.search(r"batch +3 context +40: .* \| fp8 [\d.]+ ms [\d.]+ GB/s [\d.]+x", proc.stdout)
+    assert "prefill 32: float32 pool" in proc.stdout

@@ -133,10 +133,13 @@ def test_seeded_sampling_matches_mixed(pair, mixed):
     assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS, SEEDED)]
 
 
-def test_a_bf16_pool_pair_matches_mixed_over_a_bf16_pool(checkpoint, tiny_model, tokenizer):
-    # K/V leave the prefill worker's bf16 pool as bf16 bytes and land in the decode worker's.
+@pytest.mark.parametrize(("kv_cache_dtype", "kv_bytes"), [("bfloat16", 2), ("fp8", 1)])
+def test_a_narrower_pool_pair_matches_mixed_over_the_same_pool(
+    checkpoint, tiny_model, tokenizer, kv_cache_dtype, kv_bytes
+):
+    # K/V leave the prefill worker's pool as its bytes and land in the decode worker's.
     engine = DisaggregatedEngine(DisaggConfig(
-        model=checkpoint, engine={"num_blocks": 64, "kv_cache_dtype": "bfloat16"},
+        model=checkpoint, engine={"num_blocks": 64, "kv_cache_dtype": kv_cache_dtype},
         worker_threads=1))
     try:
         run(engine, PROMPTS[1:2])
@@ -146,11 +149,12 @@ def test_a_bf16_pool_pair_matches_mixed_over_a_bf16_pool(checkpoint, tiny_model,
         pids = list(engine.worker_pids.values())
         engine.close()
         assert_gone(pids)
-    n = len(PROMPTS[1])  # the prefill worker charged its step bf16 K/V bytes: its pool's
+    n = len(PROMPTS[1])  # the prefill worker charged its step its pool's K/V bytes
     assert first.num_prefill_tokens == n
-    assert first.bytes == step_cost(tiny_model.cfg, [(n, 0)], [], 4, kv_dtype_bytes=2).bytes
+    assert first.bytes == step_cost(tiny_model.cfg, [(n, 0)], [], 4,
+                                    kv_dtype_bytes=kv_bytes).bytes
     with torch.inference_mode():
-        cfg = EngineConfig(policy="mixed", num_blocks=64, kv_cache_dtype="bfloat16")
+        cfg = EngineConfig(policy="mixed", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
         want = run(LLMEngine(tiny_model, tokenizer, cfg), PROMPTS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
 

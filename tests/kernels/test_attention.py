@@ -54,15 +54,20 @@ def test_bf16_matches_within_bf16_rounding() -> None:
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+# The pool's own rounding: how far attention over it may land from attention over fp32 K/V.
+POOL_ROUNDING = {torch.bfloat16: 3e-2, torch.float8_e4m3fn: 0.15, torch.float8_e5m2: 0.3}
+
+
 @needs_kernel
+@pytest.mark.parametrize("pool_dtype", list(POOL_ROUNDING))
 @pytest.mark.parametrize(("heads", "groups", "dim"), [(12, 4, 64), (6, 2, 24)])
-def test_fp32_queries_over_a_bf16_pool_read_the_pools_values_exactly(
-    heads: int, groups: int, dim: int
+def test_fp32_queries_over_a_narrower_pool_read_the_pools_values_exactly(
+    heads: int, groups: int, dim: int, pool_dtype: torch.dtype
 ) -> None:
-    # kv_cache_dtype="bfloat16" under an fp32 model: the native kernel widens each stored
-    # value, so it agrees with fp32 attention over the pool's values widened up front.
+    # kv_cache_dtype="bfloat16" or "fp8" under an fp32 model: the native kernel widens each
+    # stored value, so it agrees with fp32 attention over the pool's values widened up front.
     q, k, v, slots, lengths = _case(torch.float32, heads, groups, dim, seed=5)
-    kb, vb = k.bfloat16(), v.bfloat16()
+    kb, vb = k.to(pool_dtype), v.to(pool_dtype)
     with torch.inference_mode():
         got = decode_attention(q, kb, vb, slots, lengths)
         assert got.dtype == torch.float32
@@ -71,8 +76,27 @@ def test_fp32_queries_over_a_bf16_pool_read_the_pools_values_exactly(
         torch.testing.assert_close(_torch_path(q, kb, vb, slots, lengths), ref,
                                    atol=2e-6, rtol=1e-5)
         # and the pool's rounding is all that separates it from fp32 K/V
+        tol = POOL_ROUNDING[pool_dtype]
         torch.testing.assert_close(got, decode_attention(q, k, v, slots, lengths),
-                                   atol=3e-2, rtol=3e-2)
+                                   atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_finite_fp8_value_is_widened_exactly(pool_dtype: torch.dtype) -> None:
+    # One key: its softmax weight is exactly 1, so the output is its V row as the kernel
+    # widened it. The 256 codes fill one slot (4 K/V heads of 64); NaN and infinity codes,
+    # which a pool never holds (casts saturate), are zeroed.
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[~torch.isfinite(codes.view(pool_dtype).float())] = 0
+    v = codes.view(pool_dtype).view(1, 4, 64)
+    k = torch.ones(1, 4, 64).to(pool_dtype)
+    q = torch.randn(1, 12, 64)
+    one = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with torch.inference_mode():
+        got = decode_attention(q, k, v, *one)
+    want = v.float().repeat_interleave(3, dim=1)  # the three query heads of each K/V head
+    assert torch.equal(got, want)
 
 
 @needs_kernel

@@ -155,7 +155,8 @@ def test_moe_runs_per_op(calls: list[int]) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])  # bf16: narrower than fp32
+# Narrower than fp32: bf16 and both fp8 formats (written through a byte view, read widened).
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_engine_decode_steps_use_it_and_match_per_op(
     tokenizer: Tokenizer, calls: list[int], kv_cache_dtype: str
 ) -> None:

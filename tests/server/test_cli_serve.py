@@ -87,7 +87,8 @@ def test_kv_cache_dtype_flag() -> None:
     parse = build_parser().parse_args
     assert parse(["serve"]).kv_cache_dtype == "auto"
     assert parse(["serve", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+    assert parse(["serve", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
     assert ServerConfig(kv_cache_dtype="bfloat16").engine_kwargs()["kv_cache_dtype"] == "bfloat16"
     assert "kv_cache_dtype" not in ServerConfig().engine_kwargs()
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
-        ServerConfig(kv_cache_dtype="fp8")
+        ServerConfig(kv_cache_dtype="int8")

@@ -8,8 +8,9 @@ from splitphase.errors import UserError
 
 ENGINE_POLICIES = ("mixed", "chunked", "disaggregated")
 COMPILE_PHASES = ("prefill", "decode")  # splitphase.model.compiled.PHASES, without torch
-# What the paged pool stores K/V in: "auto" is the model's dtype (vLLM's --kv-cache-dtype).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What the paged pool stores K/V in: "auto" is the model's dtype (vLLM's --kv-cache-dtype);
+# "fp8" is fp8_e4m3, as in vLLM.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class EngineConfig:
     # built; splitphase.model.compiled): (), ("prefill",), ("decode",) or both.
     compile: tuple[str, ...] = ()
     # K/V pool dtype (KV_CACHE_DTYPES): bfloat16 under an fp32 model halves the pool's bytes,
-    # so twice the tokens fit and decode reads half the K/V; attention still runs in fp32.
+    # so twice the tokens fit and decode reads half the K/V; fp8 quarters them (unscaled, as
+    # vLLM's fp8 cache without calibrated scales). Attention still runs in fp32.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

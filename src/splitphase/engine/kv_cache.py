@@ -27,9 +27,25 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> i
     return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
 
 
+_FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+               "fp8_e5m2": torch.float8_e5m2}
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's dtype for an EngineConfig.kv_cache_dtype ("auto": the model's own)."""
-    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return _FP8_DTYPES.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)
+
+
+def write_pool_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[slots] = rows, rounded to the pool's dtype (which may be narrower than the model's).
+    torch has no CPU index_copy_ for fp8: one-byte pools take the rows as bytes."""
+    narrow = rows.to(pool.dtype)
+    if pool.element_size() == 1:
+        pool.view(torch.uint8).index_copy_(0, slots, narrow.view(torch.uint8))
+    else:
+        pool.index_copy_(0, slots, narrow)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -167,9 +183,8 @@ class PagedAttention:
         self, layer_idx: int, attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q (1, N, H, D) or (N, 1, H, D), k/v likewise with G heads -> (.., .., H*D)."""
-        pool_dtype = self.cache.k.dtype  # kv_cache_dtype: may be narrower than the model's
-        self.cache.k[layer_idx].index_copy_(0, self.write_slots, k.flatten(0, 1).to(pool_dtype))
-        self.cache.v[layer_idx].index_copy_(0, self.write_slots, v.flatten(0, 1).to(pool_dtype))
+        write_pool_rows(self.cache.k[layer_idx], self.write_slots, k.flatten(0, 1))
+        write_pool_rows(self.cache.v[layer_idx], self.write_slots, v.flatten(0, 1))
         return self._attend_all(layer_idx, attn, q)
 
     def attend_cached(self, layer_idx: int, attn: Attention, q: torch.Tensor) -> torch.Tensor:

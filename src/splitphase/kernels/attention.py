@@ -12,6 +12,9 @@ import torch
 from splitphase.kernels import skinny
 from splitphase.model.layers import sdpa_gqa
 
+# The pool dtypes the native kernel reads (widened to fp32 as it goes), whatever q's dtype.
+NATIVE_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def decode_attention(
     q: torch.Tensor,
@@ -40,5 +43,5 @@ def _native_ok(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> b
     if torch.is_grad_enabled() and q.requires_grad:
         return False
     # The pool's dtype may be narrower than q's (kv_cache_dtype): the kernel reads either.
-    pool_ok = k_pool.dtype == v_pool.dtype and k_pool.dtype in (torch.float32, torch.bfloat16)
+    pool_ok = k_pool.dtype == v_pool.dtype and k_pool.dtype in NATIVE_POOL_DTYPES
     return pool_ok and k_pool.is_contiguous() and v_pool.is_contiguous() and skinny.is_enabled()

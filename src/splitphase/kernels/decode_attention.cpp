@@ -3,8 +3,8 @@
 // (split in parts when the batch is smaller than the thread count): its K rows are read once
 // for all its query heads (GQA), a slot's heads side by side, then each K/V head's V rows with
 // that head's query outputs held in registers, without gathering a padded copy of the context
-// first. Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32 or
-// bf16, the pool's own: it need not be the query's).
+// first. Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32,
+// bf16 or fp8, the pool's own: it need not be the query's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -94,6 +95,14 @@ inline float max_of(const float* p, int64_t n) {
   return m;
 }
 
+// dst[:d] = v[:d] widened to fp32 (exact).
+template <typename T>
+inline void widen_row(const T* v, float* dst, int64_t d) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) store16(dst + i, load16(v + i));
+  if (i < d) splitphase_simd::store_tail(dst + i, load_tail(v + i, d - i), d - i);
+}
+
 // o[:d] += w * v[:d]
 template <typename T>
 inline void axpy(float w, const T* v, float* o, int64_t d) {
@@ -135,6 +144,11 @@ template <typename T>
 inline void axpy(float w, const T* v, float* o, int64_t d) {
   for (int64_t i = 0; i < d; ++i) o[i] += w * static_cast<float>(v[i]);
 }
+
+template <typename T>
+inline void widen_row(const T* v, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(v[i]);
+}
 #endif
 
 // Rows (keys, then values) requested ahead of use; 8 to 64 were no better within the noise.
@@ -165,6 +179,8 @@ using reg_t = __m512;
 constexpr int kRegLanes = 16, kVecRegs = 32;
 inline reg_t reg_load(const float* p) { return _mm512_loadu_ps(p); }
 inline reg_t reg_load(const c10::BFloat16* p) { return splitphase_simd::load16(p); }
+inline reg_t reg_load(const c10::Float8_e4m3fn* p) { return splitphase_simd::load16(p); }
+inline reg_t reg_load(const c10::Float8_e5m2* p) { return splitphase_simd::load16(p); }
 inline reg_t reg_broadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline reg_t reg_fmadd(reg_t a, reg_t b, reg_t c) { return _mm512_fmadd_ps(a, b, c); }
 inline reg_t reg_zero() { return _mm512_setzero_ps(); }
@@ -175,6 +191,8 @@ using reg_t = __m256;
 constexpr int kRegLanes = 8, kVecRegs = 16;
 inline reg_t reg_load(const float* p) { return _mm256_loadu_ps(p); }
 inline reg_t reg_load(const c10::BFloat16* p) { return splitphase_simd::widen8(p); }
+inline reg_t reg_load(const c10::Float8_e4m3fn* p) { return splitphase_simd::widen8(p); }
+inline reg_t reg_load(const c10::Float8_e5m2* p) { return splitphase_simd::widen8(p); }
 inline reg_t reg_broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline reg_t reg_fmadd(reg_t a, reg_t b, reg_t c) { return _mm256_fmadd_ps(a, b, c); }
 inline reg_t reg_zero() { return _mm256_setzero_ps(); }
@@ -284,6 +302,9 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
   std::vector<float> p(static_cast<size_t>(heads * len));
   auto key = [&](int64_t t, int64_t g) { return kp + (slots[t] * n_kv + g) * d; };
   const int64_t ahead = kAheadRows;
+  // A narrower pool's four keys widened once for all the group's query heads, not once a
+  // head: an fp8 widening is six instructions a vector, more than the head's multiply-adds.
+  std::vector<float> wide(std::is_same_v<T, float> ? 0 : static_cast<size_t>(4 * d));
   for (int64_t t = 0; t < std::min(ahead, len); ++t) prefetch_row(key(t, g0), span);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {  // a row's blocking depends only on its own length
@@ -294,9 +315,17 @@ void attend_groups(const float* q, const T* kp, const T* vp, const int64_t* slot
       // (best of 10, alternated in one process).
       for (int64_t u = t + ahead; u < std::min(t + ahead + 4, len); ++u) prefetch_row(key(u, g), d);
       const T* k4[4] = {key(t, g), key(t + 1, g), key(t + 2, g), key(t + 3, g)};
+      const float* w4[4] = {wide.data(), wide.data() + d, wide.data() + 2 * d, wide.data() + 3 * d};
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int j = 0; j < 4; ++j) widen_row(k4[j], wide.data() + j * d, d);
+      }
       for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
         float s4[4];
-        dot4(q + h * d, k4, d, s4);
+        if constexpr (std::is_same_v<T, float>) {
+          dot4(q + h * d, k4, d, s4);
+        } else {
+          dot4(q + h * d, w4, d, s4);
+        }
         for (int j = 0; j < 4; ++j) p[h * len + t + j] = s4[j] * scale;
       }
     }
@@ -372,8 +401,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && lengths.numel() == q.size(0),
               "slots (B, S), lengths (B,)");
-  // The pool may keep K/V narrower than the model computes (an fp32 model over a bf16 pool):
-  // q is read in fp32 either way.
+  // The pool may keep K/V narrower than the model computes (an fp32 model over a bf16 or fp8
+  // pool, unscaled, as vLLM's fp8 cache without calibrated scales): q is read in fp32 either
+  // way.
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v pools share a dtype");
   auto sl = slots.contiguous();
   auto ln = lengths.contiguous();
@@ -385,8 +415,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     decode_impl<float>(qf, k, v, sl, ln, outf);
   } else if (k.scalar_type() == at::kBFloat16) {
     decode_impl<c10::BFloat16>(qf, k, v, sl, ln, outf);
+  } else if (k.scalar_type() == at::kFloat8_e4m3fn) {
+    decode_impl<c10::Float8_e4m3fn>(qf, k, v, sl, ln, outf);
+  } else if (k.scalar_type() == at::kFloat8_e5m2) {
+    decode_impl<c10::Float8_e5m2>(qf, k, v, sl, ln, outf);
   } else {
-    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
+    TORCH_CHECK(false, "decode_attention supports float32, bfloat16 and fp8 (e4m3fn, e5m2) pools");
   }
   return outf.to(q.scalar_type());
 }

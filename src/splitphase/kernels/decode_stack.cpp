@@ -67,6 +67,17 @@ struct Step {
   int64_t max_rows, heads, kv_heads, head_dim;
 };
 
+// rows into the pool at slots, in the pool's dtype, which may be narrower than the model's (to()
+// is a no-op if equal). CPU index_copy_ has no fp8 kernel: one-byte pools take the rows as bytes.
+void write_rows(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows) {
+  auto narrow = rows.to(pool.dtype());
+  if (pool.element_size() == 1) {
+    pool.view(at::kByte).index_copy_(0, slots, narrow.view(at::kByte));
+  } else {
+    pool.index_copy_(0, slots, narrow);
+  }
+}
+
 // One decoder layer on x (B, d_model) with h = its input norm of x; writes this layer's K/V
 // into k_pool/v_pool (N, G, D). Returns (the layer's output, next_norm of it): the residual
 // adds ride in the norm that follows them (add_rms_norm), as the per-op path does.
@@ -78,10 +89,8 @@ std::tuple<at::Tensor, at::Tensor> layer(const at::Tensor& x, const at::Tensor& 
   auto qkv = qkv_linear(h, w, s.max_rows, p);  // (B, H*D), (B, G*D) x2
   auto q = splitphase_ops::rope(qkv[0].view({b, 1, s.heads, s.head_dim}), s.cos, s.sin);
   auto k = splitphase_ops::rope(qkv[1].view({b, 1, s.kv_heads, s.head_dim}), s.cos, s.sin);
-  // In the pool's dtype, which may be narrower than the model's (to() is a no-op if equal).
-  k_pool.index_copy_(0, s.write_slots, k.view({b, s.kv_heads, s.head_dim}).to(k_pool.dtype()));
-  v_pool.index_copy_(0, s.write_slots,
-                     qkv[2].view({b, s.kv_heads, s.head_dim}).to(v_pool.dtype()));
+  write_rows(k_pool, s.write_slots, k.view({b, s.kv_heads, s.head_dim}));
+  write_rows(v_pool, s.write_slots, qkv[2].view({b, s.kv_heads, s.head_dim}));
   auto a = splitphase_ops::decode_attention(q.view({b, s.heads, s.head_dim}), k_pool, v_pool,
                                             s.slots, s.lengths);  // (B, H, D)
   auto slice = [&p](int64_t i, int64_t n) { return p.empty() ? p : p.slice(i, n); };

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from splitphase.kernels import skinny
+from splitphase.kernels.attention import NATIVE_POOL_DTYPES
 from splitphase.kernels.switch import Switch, switch_functions
 
 
@@ -47,8 +48,8 @@ def usable(x: torch.Tensor, weights: list[torch.Tensor], plan: DecodePlan) -> bo
         return False
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return False
-    pools = (plan.k_cache, plan.v_cache)  # fp32 or bf16, not necessarily the model's dtype
-    if plan.v_cache.dtype != plan.k_cache.dtype or plan.k_cache.dtype not in skinny.MAX_ROWS:
+    pools = (plan.k_cache, plan.v_cache)  # not necessarily the model's dtype
+    if plan.v_cache.dtype != plan.k_cache.dtype or plan.k_cache.dtype not in NATIVE_POOL_DTYPES:
         return False
     return all(t.is_contiguous() for t in pools) and all(
         w.dtype == x.dtype and w.is_contiguous() for w in weights)

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "fp8.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPLITPHASE_AVX512 1
 #define SPLITPHASE_SIMD 1
@@ -46,6 +48,26 @@ inline __m512 load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_p
 inline __m512 load_tail(const c10::BFloat16* p, int64_t n) {
   __m256i raw = _mm256_maskz_loadu_epi16(tail_mask(n), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 fp8 (in raw's bytes) -> fp32, exact (fp8.h).
+template <typename T>
+inline __m512 widen16_fp8(__m128i raw) {
+  __m512i x = _mm512_cvtepi8_epi32(raw);
+  x = _mm512_and_si512(_mm512_slli_epi32(x, Fp8<T>::kShift), _mm512_set1_epi32(Fp8<T>::kMask));
+  return _mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(Fp8<T>::kScale));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  return widen16_fp8<c10::Float8_e4m3fn>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  return widen16_fp8<c10::Float8_e5m2>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 load_tail(const c10::Float8_e4m3fn* p, int64_t n) {
+  return widen16_fp8<c10::Float8_e4m3fn>(_mm_maskz_loadu_epi8(tail_mask(n), p));
+}
+inline __m512 load_tail(const c10::Float8_e5m2* p, int64_t n) {
+  return widen16_fp8<c10::Float8_e5m2>(_mm_maskz_loadu_epi8(tail_mask(n), p));
 }
 
 // Round-to-nearest-even to bf16, as c10::BFloat16 does: the bf16 bits in each 32-bit lane's

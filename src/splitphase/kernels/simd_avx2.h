@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fp8.h"
+
 namespace splitphase_simd {
 
 struct vf {
@@ -34,8 +36,18 @@ inline __m256 widen8(const c10::BFloat16* p) {  // 8 bf16 -> fp32, exact
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+template <typename T>
+inline __m256 widen8_fp8(const T* p) {  // 8 fp8 -> fp32, exact (fp8.h)
+  __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  x = _mm256_and_si256(_mm256_slli_epi32(x, Fp8<T>::kShift), _mm256_set1_epi32(Fp8<T>::kMask));
+  return _mm256_mul_ps(_mm256_castsi256_ps(x), _mm256_set1_ps(Fp8<T>::kScale));
+}
+inline __m256 widen8(const c10::Float8_e4m3fn* p) { return widen8_fp8(p); }
+inline __m256 widen8(const c10::Float8_e5m2* p) { return widen8_fp8(p); }
 inline vf load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline vf load16(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+inline vf load16(const c10::Float8_e4m3fn* p) { return {widen8(p), widen8(p + 8)}; }
+inline vf load16(const c10::Float8_e5m2* p) { return {widen8(p), widen8(p + 8)}; }
 
 // The first n < 16 lanes, zeros after.
 template <typename T>
