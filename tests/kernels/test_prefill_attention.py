@@ -157,6 +157,31 @@ def test_paged_chunks_match_the_gathered_sdpa() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(("q_dtype", "pool_dtype"), [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),
+    (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn)])
+def test_paged_chunks_read_a_narrower_pool_as_its_values_widened(
+    q_dtype: torch.dtype, pool_dtype: torch.dtype
+) -> None:
+    # kv_cache_dtype: the kernel widens the pool's values as it packs its tiles, exactly, so
+    # the result is the one over the pool widened to q's dtype up front, bit for bit.
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(60, 12, 64, generator=g).to(q_dtype)
+    k_pool, v_pool = ((torch.randn(300, 4, 64, generator=g) * 2).to(pool_dtype)
+                      for _ in range(2))
+    order = torch.randperm(300, generator=g)
+    chunks = prefill_attention.PagedChunks.build(
+        [(torch.arange(0, 40), order[:40]), (torch.arange(45, 55), order[100:230])])
+    got, want = (torch.zeros(60, 12 * 64, dtype=q_dtype) for _ in range(2))
+    with prefill_attention.amx_switched(False):
+        assert prefill_attention.causal_paged(q, k_pool, v_pool, chunks, got)
+        assert prefill_attention.causal_paged(q, k_pool.to(q_dtype), v_pool.to(q_dtype),
+                                              chunks, want)
+    assert torch.equal(got, want)
+    assert got[:40].abs().sum() > 0 and got[40:45].abs().sum() == 0
+
+
+@needs_kernel
 def test_fp32_is_as_close_to_float64_as_sdpa() -> None:
     # The softmax's exp2 is a polynomial fit (attention_tiles.h): in fp32 within 1.7e-7 of
     # 2^f, so the kernel stays as close to a float64 result as torch's own fp32 SDPA (a fit
@@ -288,6 +313,8 @@ def test_falls_back_where_the_kernel_does_not_apply() -> None:
     q, k, v = _qkv(1, 8, 8, 4, 2, 64)
     assert prefill_attention.causal(q.half(), k.half(), v.half()) is None
     assert prefill_attention.causal(q.bfloat16(), k, v) is None  # mixed dtypes
+    # the whole-prompt path takes q's dtype only (narrower pools are the paged path's)
+    assert prefill_attention.causal(q, k.bfloat16(), v.bfloat16()) is None
     assert prefill_attention.causal(*_qkv(1, 8, 8, 4, 2, 24)) is None  # head_dim not 16k
     assert prefill_attention.causal(q[:, :, :, :32], k[..., :32], v[..., :32]) is None  # strided
     with torch.enable_grad():

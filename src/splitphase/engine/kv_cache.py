@@ -199,13 +199,14 @@ class PagedAttention:
     def _native_prefill(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor
     ) -> bool:
-        """All prefill chunks in one native call, reading the pool and the rows in place; a
-        pool narrower than q (kv_cache_dtype) gives the kernel the chunks' contexts widened
-        into a compact pool first (a few MB a layer against the chunk's GEMMs)."""
+        """All prefill chunks in one native call, reading the pool and the rows in place (a
+        bf16 or fp8 pool under wider queries too: the kernel widens as it packs its tiles).
+        Other pairs (an fp16 pool, a pool wider than q) give the kernel the chunks' contexts
+        converted into a compact pool first."""
         chunks = self._chunks
         if chunks is None:
             return False
-        if k_pool.dtype != q.dtype:
+        if k_pool.dtype not in prefill_attention.PAGED_POOL_DTYPES.get(q.dtype, ()):
             k_pool = k_pool.index_select(0, chunks.slots).to(q.dtype)
             v_pool = v_pool.index_select(0, chunks.slots).to(q.dtype)
             chunks = replace(chunks, slots=torch.arange(chunks.slots.numel()))

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <array>
@@ -31,13 +33,14 @@ inline int64_t q_tile(int64_t hg) {
 }
 
 // One sequence's rows: T queries (the last T of its S positions) over S keys; T is float or
-// at::BFloat16.
-template <typename T>
+// at::BFloat16, KV the pool's type: T's own, or narrower (bf16 under fp32, fp8 under either:
+// kv_cache_dtype), widened as the tiles are packed.
+template <typename T, typename KV = T>
 struct Seq {
-  std::vector<const T*> q;  // (T,) each -> (H, D)
-  std::vector<const T*> k;  // (S,) each -> (G, D)
-  std::vector<const T*> v;  // (S,) each -> (G, D)
-  std::vector<T*> out;      // (T,) each -> (H * D)
+  std::vector<const T*> q;    // (T,) each -> (H, D)
+  std::vector<const KV*> k;   // (S,) each -> (G, D)
+  std::vector<const KV*> v;   // (S,) each -> (G, D)
+  std::vector<T*> out;        // (T,) each -> (H * D)
 };
 
 struct Shape {
@@ -48,8 +51,8 @@ struct Shape {
 inline int64_t n_tiles(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
 
 // Query rows (tokens) of the call, all sequences: what picks the thread team (pool.h).
-template <typename T>
-int64_t query_rows(const std::vector<Seq<T>>& seqs) {
+template <typename T, typename KV>
+int64_t query_rows(const std::vector<Seq<T, KV>>& seqs) {
   int64_t rows = 0;
   for (const auto& s : seqs) rows += static_cast<int64_t>(s.q.size());
   return rows;
@@ -79,11 +82,14 @@ struct PackedKV {
   }
 };
 
-// bf16 on AMX tiles where the library has them and they apply to this head_dim.
-template <typename T>
+// bf16 on AMX tiles where the library has them and they apply to this head_dim (bf16 queries
+// over a bf16 pool).
+template <typename T, typename KV>
 bool use_amx(int64_t d) {
 #if defined(SPLITPHASE_AMX_ATTENTION)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return splitphase_attn_amx::applies(d);
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T>) {
+    return splitphase_attn_amx::applies(d);
+  }
 #endif
   (void)d;
   return false;
@@ -98,17 +104,32 @@ constexpr bool kPairs =
     false;
 #endif
 
+// dst[:d] = src[:d] as fp32 (exact; d a multiple of 16, checked by the callers).
+template <typename KV>
+void widen(const KV* src, float* dst, int64_t d) {
+#if SPLITPHASE_SIMD
+  for (int64_t x = 0; x < d; x += 16) splitphase_simd::store16(dst + x, splitphase_simd::load16(src + x));
+#else
+  for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<float>(src[x]);
+#endif
+}
+
 // Key c's D values (ks, or zeros where null) into its K tile: transposed fp32, or for
-// VDPBF16PS (D/2, 64, 2) bf16 pairs.
-template <typename T>
-void put_key(float* kdst, int64_t c, const T* ks, int64_t d) {
+// VDPBF16PS (D/2, 64, 2) bf16 pairs (a pool narrower than bf16 widened to it, exactly).
+template <typename T, typename KV>
+void put_key(float* kdst, int64_t c, const KV* ks, int64_t d) {
   if constexpr (kPairs<T>) {
     auto* kp = reinterpret_cast<c10::BFloat16*>(kdst);
     for (int64_t x = 0; x < d; ++x) {
-      kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = ks ? ks[x] : T(0.f);
+      kp[(x / 2) * 2 * kKTile + 2 * c + x % 2] = ks ? T(static_cast<float>(ks[x])) : T(0.f);
     }
-  } else {
+  } else if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, c10::BFloat16>) {
     for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = ks ? static_cast<float>(ks[x]) : 0.f;
+  } else {  // fp8: c10's scalar conversion is a chain of bit operations; the vector one is four
+    thread_local std::vector<float> row;
+    row.assign(static_cast<size_t>(d), 0.f);
+    if (ks) widen(ks, row.data(), d);
+    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = row[x];
   }
 }
 
@@ -127,23 +148,23 @@ inline void pack_tile_amx(const Seq<c10::BFloat16>& s, int64_t g, int64_t kt, in
 }
 #endif
 
-template <typename T>
-void pack_tile(const Seq<T>& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
+template <typename T, typename KV>
+void pack_tile(const Seq<T, KV>& s, int64_t g, int64_t kt, int64_t d, float* kdst, float* vdst) {
   const int64_t len = static_cast<int64_t>(s.k.size());
   for (int64_t c = 0; c < kKTile; ++c) {
     int64_t key = kt * kKTile + c;
     if (key >= len) {
-      put_key<T>(kdst, c, nullptr, d);
+      put_key<T, KV>(kdst, c, nullptr, d);
       std::fill(vdst + c * d, vdst + (c + 1) * d, 0.f);
       continue;
     }
-    put_key(kdst, c, s.k[key] + g * d, d);
-    std::copy(s.v[key] + g * d, s.v[key] + (g + 1) * d, vdst + c * d);
+    put_key<T, KV>(kdst, c, s.k[key] + g * d, d);
+    widen(s.v[key] + g * d, vdst + c * d, d);
   }
 }
 
-template <typename T>
-PackedKV pack_kv(const std::vector<Seq<T>>& seqs, const Shape& sh, bool amx) {
+template <typename T, typename KV>
+PackedKV pack_kv(const std::vector<Seq<T, KV>>& seqs, const Shape& sh, bool amx) {
   PackedKV pk;
   int64_t total = 0;
   std::vector<std::array<int64_t, 3>> jobs;  // (seq, g, key tile)
@@ -160,7 +181,7 @@ PackedKV pack_kv(const std::vector<Seq<T>>& seqs, const Shape& sh, bool amx) {
     for (int64_t j = b; j < e; ++j) {
       auto [i, g, kt] = jobs[j];
 #if defined(SPLITPHASE_AMX_ATTENTION)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T>) {
         if (amx) {
           pack_tile_amx(seqs[i], g, kt, sh.dim, pk.k_pairs(i, g, kt, sh.dim),
                         pk.v_pairs(i, g, kt, sh.dim));

@@ -11,7 +11,11 @@
 // packed into contiguous tiles (K transposed): strided rows 1-5 KB apart would fall into a
 // few L1 sets and evict each other. bf16 inputs are widened to fp32 where they are copied
 // anyway (K/V into the tiles, a work item's queries into its scratch) and the output rounded
-// back once, so bf16 costs a conversion per element read, not a second kernel. Where the CPU
+// back once, so bf16 costs a conversion per element read, not a second kernel. A paged pool
+// narrower than the queries (kv_cache_dtype: bf16 under fp32, fp8 under either) is widened
+// the same way, in place: converting each chunk's context into a pool of q's dtype first cost
+// a prefix-cache hit (8 prompts' last 16 tokens over 2000 cached, base-125m fp32) 1.6x the
+// fp32 pool's time with an fp8 pool and 1.07x with bf16; in place, 0.97-1.01x. Where the CPU
 // has AVX512-BF16, bf16 queries and keys stay bf16 and Q K^T takes VDPBF16PS, two dimensions
 // a multiply (bench/prefill_budget.py --dtype bfloat16, base-125m on the AMD host: attention
 // 0.78-0.87x the time at 512 tokens, 0.81-0.82x at 2048). Where it has AMX tiles and D is a
@@ -41,8 +45,8 @@ struct ItemRows {
   int64_t s_len, offset, d, hg, t0, tq, rows;
   float c;  // the softmax in log2 units: 2^(c s) = e^(s / sqrt(D))
 
-  template <typename T>
-  ItemRows(const Seq<T>& s, const Item& it, const Shape& sh)
+  template <typename T, typename KV>
+  ItemRows(const Seq<T, KV>& s, const Item& it, const Shape& sh)
       : s_len(static_cast<int64_t>(s.k.size())),
         offset(s_len - static_cast<int64_t>(s.q.size())),
         d(sh.dim),
@@ -55,8 +59,8 @@ struct ItemRows {
 
 // The item's queries into qs (the group's heads of one position are adjacent), each row's
 // position into pos (once an item, not per tile: a division).
-template <typename T, typename Q>
-void load_rows(const Seq<T>& s, const Item& it, const ItemRows& ir, Q* qs, int64_t* pos) {
+template <typename T, typename KV, typename Q>
+void load_rows(const Seq<T, KV>& s, const Item& it, const ItemRows& ir, Q* qs, int64_t* pos) {
   for (int64_t t = 0; t < ir.tq; ++t) {
     const T* src = s.q[ir.t0 + t] + it.g * ir.hg * ir.d;
     std::copy(src, src + ir.hg * ir.d, qs + t * ir.hg * ir.d);
@@ -76,8 +80,8 @@ inline int64_t see(const int64_t* pos, int nr, int64_t k0, int64_t n_keys, int64
 }
 
 // The item's rows of o over their softmax sums (16 lanes a row in l) into the output, as T.
-template <typename T>
-void store_rows(const Seq<T>& s, const Item& it, const ItemRows& ir, const float* o,
+template <typename T, typename KV>
+void store_rows(const Seq<T, KV>& s, const Item& it, const ItemRows& ir, const float* o,
                 const float* l) {
   for (int64_t t = 0; t < ir.tq; ++t) {
     T* dst = s.out[ir.t0 + t] + it.g * ir.hg * ir.d;
@@ -89,8 +93,8 @@ void store_rows(const Seq<T>& s, const Item& it, const ItemRows& ir, const float
   }
 }
 
-template <typename T>
-void attend_item(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk) {
+template <typename T, typename KV>
+void attend_item(const Seq<T, KV>& s, const Item& it, const Shape& sh, PackedKV& pk) {
   const ItemRows ir(s, it, sh);
   const int64_t d = ir.d, rows = ir.rows;
   thread_local Scratch w;
@@ -180,10 +184,10 @@ void attend_item_amx(const Seq<c10::BFloat16>& s, const Item& it, const Shape& s
 }
 #endif
 
-template <typename T>
-void attend_one(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk, bool amx) {
+template <typename T, typename KV>
+void attend_one(const Seq<T, KV>& s, const Item& it, const Shape& sh, PackedKV& pk, bool amx) {
 #if defined(SPLITPHASE_AMX_ATTENTION)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T>) {
     if (amx) return attend_item_amx(s, it, sh, pk);
   }
 #endif
@@ -191,9 +195,9 @@ void attend_one(const Seq<T>& s, const Item& it, const Shape& sh, PackedKV& pk, 
   attend_item(s, it, sh, pk);
 }
 
-template <typename T>
-void attend_all(const std::vector<Seq<T>>& seqs, const Shape& sh) {
-  const bool amx = use_amx<T>(sh.dim);
+template <typename T, typename KV>
+void attend_all(const std::vector<Seq<T, KV>>& seqs, const Shape& sh) {
+  const bool amx = use_amx<T, KV>(sh.dim);
   PackedKV pk = pack_kv(seqs, sh, amx);
   std::vector<Item> items;
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
@@ -254,18 +258,19 @@ at::Tensor prefill_attention_t(const at::Tensor& q, const at::Tensor& k, const a
   return out;
 }
 
-template <typename T>
+template <typename T, typename KV>
 void prefill_attention_paged_t(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const int64_t* rp, const int64_t* qsp, const int64_t* sp,
                                const int64_t* ksp, int64_t n_chunks, at::Tensor& out) {
   const int64_t h = q.size(1), d = q.size(2), g = k.size(1);
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  const KV *kp = k.data_ptr<KV>(), *vp = v.data_ptr<KV>();
   T* op = out.data_ptr<T>();
-  std::vector<Seq<T>> seqs(static_cast<size_t>(n_chunks));
+  std::vector<Seq<T, KV>> seqs(static_cast<size_t>(n_chunks));
   for (int64_t i = 0; i < n_chunks; ++i) {
     const int64_t t = qsp[i + 1] - qsp[i], s = ksp[i + 1] - ksp[i];
     TORCH_CHECK(t >= 1 && t <= s, "chunk ", i, ": 1 <= queries <= keys, got ", t, " and ", s);
-    Seq<T>& sq = seqs[i];
+    Seq<T, KV>& sq = seqs[i];
     for (int64_t j = qsp[i]; j < qsp[i + 1]; ++j) {
       sq.q.push_back(qp + rp[j] * q.stride(0));
       sq.out.push_back(op + rp[j] * h * d);
@@ -276,6 +281,33 @@ void prefill_attention_paged_t(const at::Tensor& q, const at::Tensor& k, const a
     }
   }
   if (n_chunks > 0) attend_all(seqs, {h, g, d});
+}
+
+// The paged kernel over q's pool type: q's own, or a narrower one (kv_cache_dtype): bf16 under
+// fp32 queries, fp8 under either.
+template <typename T>
+void paged_over_pool(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const int64_t* rp, const int64_t* qsp, const int64_t* sp, const int64_t* ksp,
+                     int64_t n_chunks, at::Tensor& out) {
+  const auto kv = k.scalar_type();
+  if (kv == q.scalar_type()) {
+    return prefill_attention_paged_t<T, T>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
+  }
+  if (kv == at::kFloat8_e4m3fn) {
+    return prefill_attention_paged_t<T, c10::Float8_e4m3fn>(q, k, v, rp, qsp, sp, ksp, n_chunks,
+                                                             out);
+  }
+  if (kv == at::kFloat8_e5m2) {
+    return prefill_attention_paged_t<T, c10::Float8_e5m2>(q, k, v, rp, qsp, sp, ksp, n_chunks,
+                                                           out);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (kv == at::kBFloat16) {
+      return prefill_attention_paged_t<float, c10::BFloat16>(q, k, v, rp, qsp, sp, ksp, n_chunks,
+                                                              out);
+    }
+  }
+  TORCH_CHECK(false, "k/v pools: q's dtype, bf16 under fp32 queries, or fp8");
 }
 
 }  // namespace
@@ -317,7 +349,7 @@ void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q_starts.numel() == k_starts.numel() && q_starts.numel() >= 1, "starts (C+1,)");
   check_dtype(q);
   const auto dt = q.scalar_type();
-  check_rows(q, "q", dt), check_rows(k, "k", dt), check_rows(v, "v", dt);
+  check_rows(q, "q", dt), check_rows(k, "k", k.scalar_type()), check_rows(v, "v", k.scalar_type());
   TORCH_CHECK(out.scalar_type() == dt, "out: q's dtype");
   auto rows = q_rows.contiguous(), qs = q_starts.contiguous();
   auto sl = slots.contiguous(), ks = k_starts.contiguous();
@@ -328,9 +360,9 @@ void prefill_attention_paged(const at::Tensor& q, const at::Tensor& k, const at:
   // Row and slot values are the caller's contract (the engine builds them from its block
   // tables once per step); the chunk boundaries are checked here.
   if (dt == at::kFloat)
-    prefill_attention_paged_t<float>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
+    paged_over_pool<float>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
   else
-    prefill_attention_paged_t<at::BFloat16>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
+    paged_over_pool<at::BFloat16>(q, k, v, rp, qsp, sp, ksp, n_chunks, out);
 }
 
 // bf16 prefill attention on AMX tiles (on) or VDPBF16PS (off); true when the tiles then take

@@ -125,10 +125,18 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 
-def _ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+# The pools the paged kernel reads under each query dtype: its own, or a narrower one
+# (kv_cache_dtype), widened as it packs its K/V tiles.
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+PAGED_POOL_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, *_FP8),
+                     torch.bfloat16: (torch.bfloat16, *_FP8)}
+
+
+def _ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool = False) -> bool:
+    if q.device.type != "cpu" or q.dtype not in PAGED_POOL_DTYPES:
         return False
-    if k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
+    kv_dtypes = PAGED_POOL_DTYPES[q.dtype] if paged else (q.dtype,)
+    if k.dtype not in kv_dtypes or v.dtype != k.dtype or k.shape != v.shape:
         return False
     if q.dtype == torch.bfloat16 and not takes_bf16(q.shape[-1]):
         return False
@@ -205,7 +213,8 @@ def causal_paged(
     out: torch.Tensor,
 ) -> bool:
     """Each chunk's rows of q (N, H, D) attend causally over k/v pools (P, G, D) at its slots;
-    writes those rows of out (N, H*D). False when the kernel does not apply (nothing written).
+    writes those rows of out (N, H*D). The pools may be narrower than q (PAGED_POOL_DTYPES).
+    False when the kernel does not apply (nothing written).
     """
     if q.dim() != 3 or k_pool.dim() != 3:
         return False
@@ -213,7 +222,7 @@ def causal_paged(
         return False
     if out.dtype != q.dtype or out.shape != (q.shape[0], q.shape[1] * q.shape[2]):
         return False
-    if not _ok(q, k_pool, v_pool):
+    if not _ok(q, k_pool, v_pool, paged=True):
         return False
     c = chunks
     torch.ops.splitphase.prefill_attention_paged(
