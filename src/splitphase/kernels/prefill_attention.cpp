@@ -15,7 +15,7 @@
 // narrower than the queries (kv_cache_dtype: bf16 under fp32, fp8 under either) is widened
 // the same way, in place: converting each chunk's context into a pool of q's dtype first cost
 // a prefix-cache hit (8 prompts' last 16 tokens over 2000 cached, base-125m fp32) 1.6x the
-// fp32 pool's time with an fp8 pool and 1.07x with bf16; in place, 0.97-1.01x. Where the CPU
+// fp32 pool's time with an fp8 pool and 1.06x with bf16; in place, 0.91-1.01x. Where the CPU
 // has AVX512-BF16, bf16 queries and keys stay bf16 and Q K^T takes VDPBF16PS, two dimensions
 // a multiply (bench/prefill_budget.py --dtype bfloat16, base-125m on the AMD host: attention
 // 0.78-0.87x the time at 512 tokens, 0.81-0.82x at 2048). Where it has AMX tiles and D is a
