@@ -127,9 +127,9 @@ void put_key(float* kdst, int64_t c, const KV* ks, int64_t d) {
     for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = ks ? static_cast<float>(ks[x]) : 0.f;
   } else {  // fp8: c10's scalar conversion is a chain of bit operations; the vector one is four
     thread_local std::vector<float> row;
-    row.assign(static_cast<size_t>(d), 0.f);
+    row.resize(static_cast<size_t>(d));
     if (ks) widen(ks, row.data(), d);
-    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = row[x];
+    for (int64_t x = 0; x < d; ++x) kdst[x * kKTile + c] = ks ? row[x] : 0.f;
   }
 }
 
