@@ -38,6 +38,10 @@ NARROWER = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def _pool_dtype(kv_cache_dtype: str) -> torch.dtype:
+    return NARROWER.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", list(NARROWER))
 def test_a_narrower_pool_holds_more_blocks_of_the_same_budget(
     tiny_model: Transformer, tokenizer: Tokenizer, kv_cache_dtype: str
@@ -148,19 +152,21 @@ def test_prefill_over_another_pool_runs_the_native_kernel(
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [
-    ("bfloat16", "float32"), ("bfloat16", "float16"), ("float32", "float16")])
+    ("bfloat16", "float32"), ("bfloat16", "float16"), ("float32", "float16"),
+    ("bfloat16", "fp8"), ("bfloat16", "fp8_e5m2")])
 def test_other_model_and_pool_pairs_generate_as_the_models_own_pool(
     dtype: str, kv_cache_dtype: str
 ) -> None:
     # fp16 pools take the torch paths (gather and widen); a wider pool than the model narrows
-    # when read.
+    # when read; fp8 under a bf16 model goes through the native kernels (prefill's packs its
+    # tiles from the fp8 pool: bf16 queries over narrower keys).
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompt = ["In the beginning God created"]
     texts = []
     for kvd in ("auto", kv_cache_dtype):
         llm = LLM("small", dtype=dtype, kv_cache_dtype=kvd, num_blocks=32)
         texts.append(llm.generate(prompt, params)[0].text)
-    assert llm.engine.cache.k.dtype == getattr(torch, kv_cache_dtype)
+    assert llm.engine.cache.k.dtype == _pool_dtype(kv_cache_dtype)
     assert texts[1] == texts[0]
 
 
@@ -215,8 +221,7 @@ def test_on_cuda_a_bf16_model_over_another_pool_tracks_its_own(
         llm = LLM("small", device="cuda", dtype="bfloat16", kv_cache_dtype=kvd, num_blocks=32)
         assert llm.engine.cache.k.device.type == "cuda"
         runs[kvd] = llm.generate(prompt, params)[0]
-    pool_dtype = NARROWER.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)
-    assert llm.engine.cache.k.dtype == pool_dtype
+    assert llm.engine.cache.k.dtype == _pool_dtype(kv_cache_dtype)
     full, other = runs["auto"], runs[kv_cache_dtype]
     assert other.token_ids[:4] == full.token_ids[:4]
     first = (full.output.logprobs[0].logprob, other.output.logprobs[0].logprob)
