@@ -34,6 +34,7 @@ def _audit(args: argparse.Namespace) -> None:
             bill_prompt_tokens=args.bill_prompt_tokens,
             bill_output_tokens=args.bill_output_tokens,
             progress=not args.no_progress,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
 
@@ -169,6 +170,8 @@ def _data(args: argparse.Namespace) -> None:
 
 
 def _add_audit(sub: argparse._SubParsersAction) -> None:
+    from splitphase.engine.config import KV_CACHE_DTYPES
+
     au = sub.add_parser("audit", help="profile a target per phase; utilization, fixes, cost")
     au.add_argument("--target", required=True, help="builtin[:MODEL] | hf:PATH | openai:URL")
     au.add_argument("--out", required=True, help="report directory (report.html/.json/.md)")
@@ -180,6 +183,10 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     au.add_argument("--requests-per-day", type=float, default=100_000.0, help="for the bill")
     au.add_argument("--bill-prompt-tokens", type=float, help="prompt tokens per billed request")
     au.add_argument("--bill-output-tokens", type=float, help="output tokens per billed request")
+    au.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the target's K/V cache dtype: builtin targets store their pool so; for "
+                    "openai: it declares the server's (default: what its /metrics states, else "
+                    "the model's dtype); decode bytes are priced at this width")
     au.add_argument("--no-progress", action="store_true", help="no progress bars")
     au.set_defaults(func=_audit)
 

@@ -11,8 +11,9 @@ from splitphase.server.process import ServerProcess
 
 
 def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:
-    server = ServerProcess(["--model", str(tiny_ckpt), "--hardware", "h100"],
-                           env={"OMP_NUM_THREADS": "1"})
+    # A bf16 pool under the fp32 model: the audit learns its width from /metrics.
+    server = ServerProcess(["--model", str(tiny_ckpt), "--hardware", "h100",
+                            "--kv-cache-dtype", "bfloat16"], env={"OMP_NUM_THREADS": "1"})
     with server as url:
         code = main(["audit", "--target", f"openai:{url}", "--model-config", str(tiny_ckpt),
                      "--hardware", "cpu", "--quick", "--out", str(tmp_path), "--no-progress"])
@@ -21,3 +22,6 @@ def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "report.json").read_text())
     validate_report(doc)
     assert doc["target"]["server_metrics"] is True  # our splitphase:* histograms were scraped
+    assert doc["target"]["kv_cache_dtype"] == "bfloat16"
+    assert doc["target"]["kv_cache_dtype_source"] == "target"
+    assert doc["model"]["kv_dtype_bytes"] == 2 and doc["model"]["config"]["dtype"] == "float32"

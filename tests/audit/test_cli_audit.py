@@ -133,6 +133,34 @@ def test_openai_audit_with_workload_file(tmp_path: Path) -> None:
     assert doc["profile"]["interference"] is not None  # streaming targets get the probe
 
 
+def test_openai_audit_prices_decode_at_the_servers_kv_cache_width(tmp_path: Path) -> None:
+    docs = {}
+    with FakeOpenAIServer(FakeTiming(cache_dtype="fp8")) as url:
+        for name, extra in (("stated", []), ("declared", ["--kv-cache-dtype", "bfloat16"])):
+            assert main(["audit", "--target", f"openai:{url}", "--quick",
+                         "--out", str(tmp_path / name), *OPENAI_ARGS, *extra]) == 0
+            docs[name] = json.loads((tmp_path / name / "report.json").read_text())
+            validate_report(docs[name])
+    stated, declared = docs["stated"], docs["declared"]
+    assert stated["target"]["kv_cache_dtype"] == "fp8"
+    assert stated["target"]["kv_cache_dtype_source"] == "target"
+    assert declared["target"]["kv_cache_dtype"] == "bfloat16"
+    assert declared["target"]["kv_cache_dtype_source"] == "option"  # the option wins
+    assert stated["model"]["kv_dtype_bytes"] == 1 and declared["model"]["kv_dtype_bytes"] == 2
+    assert 2 * stated["model"]["kv_bytes_per_token"] == declared["model"]["kv_bytes_per_token"]
+    assert "K/V cache fp8 (1 byte/element)" in (tmp_path / "stated" / "report.md").read_text()
+    assert "K/V cache fp8" in (tmp_path / "stated" / "report.html").read_text()
+    kv_rows = {n: next(o for o in d["optimizations"] if o["name"] == "narrower K/V cache")
+               for n, d in docs.items()}
+    assert not kv_rows["stated"]["applicable"] and kv_rows["declared"]["applicable"]
+
+
+def test_hf_audit_refuses_a_kv_cache_dtype(capsys: pytest.CaptureFixture[str],
+                                           tmp_path: Path) -> None:
+    _fails(capsys, ["audit", "--target", f"hf:{tmp_path}", "--kv-cache-dtype", "fp8",
+                    "--out", str(tmp_path / "r"), "--no-progress"], "hf: target keeps K/V")
+
+
 def test_compare_two_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     slow = FakeTiming(prefill_s_per_token=1e-4, itl_s=0.006)
     fast = FakeTiming(prefill_s_per_token=2e-5, itl_s=0.003)

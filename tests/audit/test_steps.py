@@ -184,6 +184,31 @@ def test_projected_optimizations_use_the_cost_model() -> None:
     assert topk.applicable and (topk.speedup or 0) > 1.0
 
 
+def test_a_narrower_kv_cache_is_priced_at_its_width() -> None:
+    prof = profile(_sweep() + [_trace(512, conc=4, point="len=512 c=4") for _ in range(4)])
+    full = utilization(prof, LLAMA8B, HW)
+    fp8 = utilization(prof, LLAMA8B, HW, kv_dtype_bytes=1)
+    assert full.kv_dtype_bytes == 2 and fp8.kv_dtype_bytes == 1
+    for a, b in zip(full.decode.levels, fp8.decode.levels, strict=True):
+        ctx = [round(b.context_tokens)] * round(b.batch)
+        assert b.bytes == pytest.approx(fl.decode_bytes(LLAMA8B, ctx, 2, kv_dtype_bytes=1))
+        kv_read = fl.kv_bytes_per_token(LLAMA8B, 2) * sum(ctx)
+        assert a.bytes - b.bytes >= kv_read / 2  # half of every cached byte, at least
+        assert b.bandwidth_utilization < a.bandwidth_utilization
+        assert b.seconds == a.seconds and b.flops == a.flops
+    for a, b in zip(full.prefill.levels, fp8.prefill.levels, strict=True):
+        assert b.bytes < a.bytes and b.flops == a.flops  # the prompt's K/V written narrower
+    # The optimizations start from the cache the target has.
+    assert not narrower_kv_cache(fp8, LLAMA8B, HW).applicable
+    bf16_from_fp32 = narrower_kv_cache(utilization(prof, LLAMA8B, HW, 4), LLAMA8B, HW)
+    assert bf16_from_fp32.applicable and "bf16" in bf16_from_fp32.detail
+    quant = quantized_weights(fp8, LLAMA8B, HW)
+    assert (quant.speedup or 0) > (quantized_weights(full, LLAMA8B, HW).speedup or 0)
+    result = run_steps(_sweep(), LLAMA8B, HW, 2.0, Workload(1000, 512, 64),
+                       kv_dtype_bytes=1)
+    assert result.utilization.kv_dtype_bytes == 1
+
+
 def test_batching_policy_gain_is_against_the_policy_the_engine_runs() -> None:
     results = [PolicyResult("mixed", 0.005, 0.500, 0.6, 100.0),
                PolicyResult("chunked", 0.004, 0.060, 0.2, 120.0),

@@ -206,6 +206,46 @@ def test_prometheus_phase_means_from_any_naming() -> None:
     assert prometheus.known_metrics(samples)
 
 
+def test_prometheus_cache_dtype_from_vllm_and_ours() -> None:
+    vllm = ('# TYPE vllm:cache_config_info gauge\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="fp8_e5m2",num_gpu_blocks="9"} 1\n')
+    assert prometheus.cache_dtype(vllm) == "fp8_e5m2"
+    assert prometheus.cache_dtype(vllm.replace("fp8_e5m2", "fp8_inc")) == "fp8"  # one byte
+    assert prometheus.cache_dtype(vllm.replace("fp8_e5m2", "auto")) == "auto"
+    ours = 'splitphase:cache_config_info{cache_dtype="bfloat16",model_name="m"} 1.0\n'
+    assert prometheus.cache_dtype(METRICS + ours) == "bfloat16"
+    assert prometheus.cache_dtype(METRICS) is None
+    assert prometheus.cache_dtype('other_info{cache_dtype="fp8"} 1\n') is None
+
+
+def test_openai_target_states_the_servers_cache_dtype() -> None:
+    for stated in ("fp8", None):
+        with FakeOpenAIServer(FakeTiming(cache_dtype=stated)) as url:
+            target = open_target(f"openai:{url}", ModelConfig.from_name("tiny"))
+            assert target.describe()["kv_cache_dtype"] == stated
+            target.close()
+
+
+def test_builtin_stores_its_pool_in_the_given_dtype(tiny_ckpt: Path) -> None:
+    target = BuiltinTarget(str(tiny_ckpt), kv_cache_dtype="fp8")
+    try:
+        assert target.describe()["kv_cache_dtype"] == "fp8"
+        assert target._engine.kv_dtype_bytes == 1
+        traces = target.run(_requests(target, 24, 2, 4, 2), concurrency=2)
+    finally:
+        target.close()
+    for t in traces:
+        _check_timeline(t, 4)
+    plain = BuiltinTarget(str(tiny_ckpt))
+    assert plain.describe()["kv_cache_dtype"] == "float32"  # "auto": the model's own
+    plain.close()
+
+
+def test_hf_targets_refuse_a_kv_cache_dtype() -> None:
+    with pytest.raises(UserError, match="hf: target keeps K/V"):
+        open_target("hf:/nonexistent", kv_cache_dtype="fp8")
+
+
 def test_workload_files(tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
     rows = [{"input_length": 9000, "output_length": 300}, {"prompt_tokens": 50, "output_tokens": 8}]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from splitphase.audit.flops import step_cost
-from splitphase.engine.config import EngineConfig
-from splitphase.engine.kv_cache import write_pool_rows
+from splitphase.engine.config import KV_CACHE_DTYPE_BYTES, EngineConfig, kv_cache_dtype_bytes
+from splitphase.engine.kv_cache import kv_cache_torch_dtype, write_pool_rows
 from splitphase.engine.llm import LLM
 from splitphase.engine.llm_engine import LLMEngine
 from splitphase.engine.sampling_params import SamplingParams
@@ -31,6 +31,15 @@ def _run(engine: LLMEngine, params: SamplingParams) -> list:
 def test_an_unknown_dtype_is_refused() -> None:
     with pytest.raises(UserError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_the_torch_free_byte_table_matches_the_pools_dtypes() -> None:
+    for name, nbytes in KV_CACHE_DTYPE_BYTES.items():  # what the audit and simulator price
+        assert kv_cache_torch_dtype(name, torch.float32).itemsize == nbytes == \
+            kv_cache_dtype_bytes(name, 4)
+    assert kv_cache_dtype_bytes("auto", 2) == 2
+    with pytest.raises(UserError, match="kv_cache_dtype must be one of"):
+        kv_cache_dtype_bytes("int4", 2)
 
 
 # kv_cache_dtype -> the pool's torch dtype ("fp8" is e4m3, as in vLLM).

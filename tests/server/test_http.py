@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitphase.audit.targets import prometheus
 from splitphase.engine.llm import LLM
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.server.process import ServerProcess
@@ -174,3 +175,7 @@ def test_metrics_parse_and_histograms_count_finished_requests(server: ServerProc
     assert after["splitphase:kv_cache_blocks_total"] > 0
     for gauge in ("prefill_flops_utilization", "decode_bandwidth_utilization"):
         assert 0 < after[f"splitphase:{gauge}"] < 1, gauge
+    # "auto" pool: the info metric states the model's dtype (the audit prices decode with it).
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'cache_dtype="float32"' in text
+    assert prometheus.cache_dtype(text) == "float32"

@@ -30,6 +30,7 @@ class FakeTiming:
     burst: bool = False
     metrics: bool = True
     openai: bool = True
+    cache_dtype: str | None = None  # stated in vLLM's cache_config_info when set
 
 
 class _State:
@@ -56,6 +57,10 @@ class _State:
                           f'{name}_count{{model_name="fake"}} {count}']
             lines += ["# TYPE vllm:generation_tokens counter",
                       f'vllm:generation_tokens_total{{model_name="fake"}} {self.generated}']
+            if self.timing.cache_dtype is not None:
+                lines += ["# TYPE vllm:cache_config_info gauge",
+                          f'vllm:cache_config_info{{block_size="16",cache_dtype='
+                          f'"{self.timing.cache_dtype}",enable_prefix_caching="True"}} 1.0']
         return "\n".join(lines) + "\n"
 
 

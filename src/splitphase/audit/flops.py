@@ -320,15 +320,22 @@ def decode_bytes(
     return _bytes(cfg, _decode_work(cfg, context_lens), dtype_bytes, kv_dtype_bytes)
 
 
-def prefill_cost(cfg: ModelConfig, prompt_len: int, dtype_bytes: int = 2) -> PhaseCost:
+def prefill_cost(
+    cfg: ModelConfig, prompt_len: int, dtype_bytes: int = 2, *, kv_dtype_bytes: int | None = None
+) -> PhaseCost:
     """FLOPs and bytes of prefilling one prompt from scratch (logits at the last position)."""
     flops = prefill_flops(cfg, prompt_len)
-    return PhaseCost(flops, prefill_bytes(cfg, prompt_len, dtype_bytes=dtype_bytes))
+    nbytes = prefill_bytes(cfg, prompt_len, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes)
+    return PhaseCost(flops, nbytes)
 
 
-def decode_cost(cfg: ModelConfig, context_lens: Sequence[int], dtype_bytes: int = 2) -> PhaseCost:
+def decode_cost(
+    cfg: ModelConfig, context_lens: Sequence[int], dtype_bytes: int = 2, *,
+    kv_dtype_bytes: int | None = None,
+) -> PhaseCost:
     """FLOPs and bytes of one decode step of a batch."""
-    return PhaseCost(decode_flops(cfg, context_lens), decode_bytes(cfg, context_lens, dtype_bytes))
+    nbytes = decode_bytes(cfg, context_lens, dtype_bytes, kv_dtype_bytes)
+    return PhaseCost(decode_flops(cfg, context_lens), nbytes)
 
 
 def training_flops(cfg: ModelConfig, seq_len: int, *, causal_attention: bool = True) -> float:

@@ -46,6 +46,7 @@ def _stream_rate(traces: Sequence[RequestTrace]) -> float:
 def compare_policies(
     model: str, plan: ProbePlan, sweep: Sequence[RequestTrace], max_seq_len: int,
     policies: Sequence[str] = POLICIES,
+    kv_cache_dtype: str = "auto",
 ) -> list[PolicyResult]:
     """Run the interference probe on `model` under each policy (in-process targets only)."""
     from splitphase.audit.targets.builtin import BuiltinTarget
@@ -53,7 +54,8 @@ def compare_policies(
     results = []
     for policy in policies:
         budget = CHUNKED_BUDGET_TOKENS if policy == "chunked" else max(2048, max_seq_len)
-        target = BuiltinTarget(model, policy=policy, max_num_batched_tokens=budget)
+        target = BuiltinTarget(model, policy=policy, max_num_batched_tokens=budget,
+                               kv_cache_dtype=kv_cache_dtype)
         try:
             maker = PromptMaker(target.codec())
             warm = [ProbeRequest(*maker.make(max(plan.prompt_lens)), plan.output_tokens, "warmup")]

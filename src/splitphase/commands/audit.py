@@ -74,6 +74,7 @@ class AuditOptions:
     bill_prompt_tokens: float | None = None
     bill_output_tokens: float | None = None
     progress: bool = True
+    kv_cache_dtype: str = "auto"  # the target's K/V cache (EngineConfig.kv_cache_dtype's names)
 
 
 def _plan(opts: AuditOptions, max_len: int) -> Any:
@@ -117,7 +118,7 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
 
     override = load_model_config(opts.model_config) if opts.model_config else None
     hw = resolve_hardware(opts.hardware, opts.target, opts.price_per_hour)
-    target = open_target(opts.target, override)
+    target = open_target(opts.target, override, opts.kv_cache_dtype)
     try:
         cfg = target.model_config()
         plan = _plan(opts, _context_len(target, cfg))
@@ -125,12 +126,34 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
         described = target.describe()
     finally:
         target.close()
+    described, kv_b = _kv_cache(opts, described, cfg)
     policies = _compare_policies(opts, described, plan, probe.traces, _context_len(target, cfg))
     result = run_steps(probe.traces, cfg, hw, hw.price_usd_per_hour, _bill(opts, plan),
-                       policies, described.get("policy"))
+                       policies, described.get("policy"), kv_b)
     doc = build_report(result, described, hw, cfg, probe)
     out = write_report(opts.out, doc, result.profile.itl_samples_s)
     return doc, out
+
+
+def _kv_cache(
+    opts: AuditOptions, described: dict[str, Any], cfg: ModelConfig
+) -> tuple[dict[str, Any], int]:
+    """The K/V cache dtype the audit prices decode at (the option, else what the target states,
+    else the model's), recorded in the target's description with where it came from."""
+    from splitphase.engine.config import KV_CACHE_DTYPE_BYTES, kv_cache_dtype_bytes
+
+    stated = described.get("kv_cache_dtype")
+    if opts.kv_cache_dtype != "auto":
+        name, source = opts.kv_cache_dtype, "option"
+    elif stated in KV_CACHE_DTYPE_BYTES or stated == "auto":
+        name, source = stated, "target"
+    else:
+        if stated is not None and opts.progress:
+            print(f"the target states K/V cache dtype {stated!r}, which the audit cannot price; "
+                  f"assuming the model's {cfg.dtype} (pass --kv-cache-dtype)")
+        name, source = "auto", "model"
+    kv_b = kv_cache_dtype_bytes(name, cfg.dtype_bytes)
+    return {**described, "kv_cache_dtype": name, "kv_cache_dtype_source": source}, kv_b
 
 
 def _compare_policies(
@@ -143,7 +166,8 @@ def _compare_policies(
 
     if opts.progress:
         print("comparing batching policies (mixed, chunked, disaggregated) on the same probe")
-    return compare_policies(described["model"], plan, traces, max_len)
+    return compare_policies(described["model"], plan, traces, max_len,
+                            kv_cache_dtype=opts.kv_cache_dtype)
 
 
 def audit(opts: AuditOptions) -> None:

@@ -9,8 +9,21 @@ from splitphase.errors import UserError
 ENGINE_POLICIES = ("mixed", "chunked", "disaggregated")
 COMPILE_PHASES = ("prefill", "decode")  # splitphase.model.compiled.PHASES, without torch
 # What the paged pool stores K/V in: "auto" is the model's dtype (vLLM's --kv-cache-dtype);
-# "fp8" is fp8_e4m3, as in vLLM.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# "fp8" is fp8_e4m3, as in vLLM. Bytes per element, so the audit and the simulator can price a
+# pool without torch.
+KV_CACHE_DTYPE_BYTES = {
+    "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_BYTES)
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes per stored K or V element ("auto": the model's own width)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype_bytes
+    if kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+        raise UserError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPE_BYTES[kv_cache_dtype]
 
 
 @dataclass(frozen=True)

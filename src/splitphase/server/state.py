@@ -36,7 +36,7 @@ class ServerState:
         self.model_dir = _model_dir(config.model)
         self.chat = ChatTemplate.for_model_dir(self.model_dir, self.tokenizer)
         self.metrics = ServerMetrics(config.model_id, hardware, _dtype(llm, self.model_dir),
-                                     config.utilization_window_s)
+                                     config.utilization_window_s, config.kv_cache_dtype)
         self.engine = AsyncEngine(llm.engine, on_steps=self.metrics.on_steps,
                                   max_step_records=config.max_step_records)
         self.max_model_len = int(llm.engine.max_model_len)

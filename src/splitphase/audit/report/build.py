@@ -116,14 +116,15 @@ def _cost(result: AuditResult) -> dict[str, Any]:
     }
 
 
-def _model(cfg: ModelConfig) -> dict[str, Any]:
+def _model(cfg: ModelConfig, kv_dtype_bytes: int) -> dict[str, Any]:
     return {
         "name": cfg.name,
         "config": cfg.to_dict(),
         "param_count": fl.param_count(cfg),
         "active_param_count": fl.active_param_count(cfg),
         "weight_bytes": fl.param_count(cfg) * cfg.dtype_bytes,
-        "kv_bytes_per_token": fl.kv_bytes_per_token(cfg, cfg.dtype_bytes),
+        "kv_dtype_bytes": kv_dtype_bytes,
+        "kv_bytes_per_token": fl.kv_bytes_per_token(cfg, kv_dtype_bytes),
     }
 
 
@@ -151,7 +152,7 @@ def build_report(
         "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "target": target,
         "hardware": _hardware(hw, result.utilization.dtype),
-        "model": _model(cfg),
+        "model": _model(cfg, result.utilization.kv_dtype_bytes),
         "probe": {
             "quick": plan.quick,
             "prompt_lens": list(plan.prompt_lens),

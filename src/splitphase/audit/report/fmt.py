@@ -88,3 +88,14 @@ def level_header(phase: str) -> list[str]:
     time = "prefill busy" if phase == "prefill" else "step time"
     return ["point", "batch", "FLOP/byte", "bound", time, "achieved", "FLOP util",
             "bandwidth util", "tokens/s", "tokens/s at full"]
+
+
+def kv_cache(doc: dict[str, Any]) -> str:
+    """", K/V cache fp8 (1 byte/element)": the width decode bytes were priced at ("" if unknown)."""
+    width = doc["model"].get("kv_dtype_bytes")
+    if width is None:
+        return ""
+    name = doc["target"].get("kv_cache_dtype")
+    if name in (None, "auto"):
+        name = doc["model"]["config"].get("dtype", "model dtype")
+    return f", K/V cache {name} ({width} byte{'s' if width > 1 else ''}/element)"

@@ -275,7 +275,8 @@ def render_html(doc: dict[str, Any], plots: dict[str, str]) -> str:
     t, hw, model = doc["target"], doc["hardware"], doc["model"]
     meta = (
         f"{t['spec']} · {hw['name']} ({hw['dtype']}) · model {model['name']} "
-        f"({model['param_count']:,} parameters) · {doc.get('generated_at', '')}"
+        f"({model['param_count']:,} parameters{fmt.kv_cache(doc)}) · "
+        f"{doc.get('generated_at', '')}"
     )
     summary = "".join(
         f"<li>{escape(s)}</li>" for s in doc["summary"] if not s.startswith("Warning")

@@ -73,7 +73,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     head = (
         f"# splitphase audit: {t['spec']}\n\n"
         f"{hw['name']} ({hw['dtype']}), model {model['name']} "
-        f"({model['param_count']:,} parameters), {doc.get('generated_at', '')}\n\n"
+        f"({model['param_count']:,} parameters{fmt.kv_cache(doc)}), "
+        f"{doc.get('generated_at', '')}\n\n"
         + "".join(f"- {line}\n" for line in doc["summary"])
         + "\n"
     )

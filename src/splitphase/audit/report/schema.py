@@ -131,6 +131,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "config": {"type": "object"},
                 "param_count": {"type": "integer", "minimum": 1},
                 "active_param_count": {"type": "integer", "minimum": 1},
+                "kv_dtype_bytes": {"type": "integer", "minimum": 1, "maximum": 4},
                 "kv_bytes_per_token": {"type": "integer", "minimum": 0},
             },
         },

@@ -56,13 +56,15 @@ def run_steps(
     workload: Workload,
     policy_results: Sequence[PolicyResult] = (),
     current_policy: str | None = None,
+    kv_dtype_bytes: int | None = None,
 ) -> AuditResult:
-    """Steps 1 to 5 in order (policy_results: our engine re-run under each batching policy)."""
+    """Steps 1 to 5 in order (policy_results: our engine re-run under each batching policy;
+    kv_dtype_bytes: the target's K/V cache width, None for the model's)."""
     prof = profile(traces)
-    util = utilization(prof, cfg, hw)
+    util = utilization(prof, cfg, hw, kv_dtype_bytes)
     return AuditResult(
         profile=prof,
-        bottleneck=bottleneck(prof, cfg, hw),
+        bottleneck=bottleneck(prof, cfg, hw, kv_dtype_bytes),
         utilization=util,
         optimizations=optimizations(prof, util, cfg, hw, policy_results, current_policy),
         cost=cost(util, price_usd_per_hour, workload),

@@ -58,6 +58,11 @@ def _ctx(lv: PhaseLevel) -> list[int]:
     return [max(0, round(lv.context_tokens))] * max(1, round(lv.batch))
 
 
+def _decode(cfg: ModelConfig, util: Utilization, context_lens: list[int]) -> fl.PhaseCost:
+    """A decode step's cost with the audited target's K/V cache width."""
+    return fl.decode_cost(cfg, context_lens, cfg.dtype_bytes, kv_dtype_bytes=util.kv_dtype_bytes)
+
+
 def interference(prof: Profile, util: Utilization) -> Optimization:
     """Does a long prefill stall running streams? Measured when the probe ran, else projected."""
     inter = prof.interference
@@ -98,16 +103,16 @@ def larger_decode_batch(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -
     lv = util.decode.headline
     context = max(1, round(lv.context_tokens))
     weights_b = fl.param_count(cfg) * cfg.dtype_bytes
-    kv_per_seq_b = fl.kv_bytes_per_token(cfg, cfg.dtype_bytes) * (context + 1)
+    kv_per_seq_b = fl.kv_bytes_per_token(cfg, util.kv_dtype_bytes) * (context + 1)
     fits = int((hw.mem_capacity_bytes * MEMORY_HEADROOM - weights_b) // kv_per_seq_b)
     batch = max(1, round(lv.batch))
     ridge, target = util.decode.ridge_flop_per_byte, batch
     while target < min(fits, MAX_DECODE_BATCH):
         target *= 2  # powers of two, stopping once the step turns compute-bound
-        if fl.decode_cost(cfg, [context] * target, cfg.dtype_bytes).intensity >= ridge:
+        if _decode(cfg, util, [context] * target).intensity >= ridge:
             break
     target = min(target, max(fits, 1), MAX_DECODE_BATCH)
-    cost = fl.decode_cost(cfg, [context] * target, cfg.dtype_bytes)
+    cost = _decode(cfg, util, [context] * target)
     after = target / _projected_s(cost, hw, util.dtype, lv.utilization)
     detail = (
         f"batch {batch} -> {target} streams at {context} cached tokens each (memory holds "
@@ -125,10 +130,8 @@ def moe_decode_top_k(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> O
         return Optimization("per-phase MoE top-k", "decode", "projected", False,
                             "decode step time", "s", None, None, "dense model: no experts to route")
     k = max(1, cfg.top_k // 2)
-    before = _projected_s(fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes), hw, util.dtype,
-                          lv.utilization)
-    lean = cfg.with_(top_k=k)
-    after = _projected_s(fl.decode_cost(lean, _ctx(lv), cfg.dtype_bytes), hw, util.dtype,
+    before = _projected_s(_decode(cfg, util, _ctx(lv)), hw, util.dtype, lv.utilization)
+    after = _projected_s(_decode(cfg.with_(top_k=k), util, _ctx(lv)), hw, util.dtype,
                          lv.utilization)
     detail = (
         f"top-{cfg.top_k} -> top-{k} in decode only: fewer distinct experts read per step; "
@@ -146,8 +149,8 @@ def dual_flow_decode(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> O
         return Optimization("Dual-Flow decode flow", "decode", "projected", False,
                             "decode step time", "s", None, None, "already a Dual-Flow model")
     twin = cfg.with_(arch="dual_flow")
-    base = fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes)
-    dual = fl.decode_cost(twin, _ctx(lv), cfg.dtype_bytes)
+    base = _decode(cfg, util, _ctx(lv))
+    dual = _decode(twin, util, _ctx(lv))
     before = _projected_s(base, hw, util.dtype, lv.utilization)
     after = _projected_s(dual, hw, util.dtype, lv.utilization)
     idle = 1 - lv.flops_utilization
@@ -166,8 +169,9 @@ def shallower_prefill(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
     lv = util.prefill.headline
     n = max(1, round(lv.prompt_tokens))
     layers = max(1, cfg.n_layers // 2)
-    full = fl.prefill_cost(cfg, n, cfg.dtype_bytes)
-    lean = fl.prefill_cost(cfg.with_(n_layers=layers), n, cfg.dtype_bytes)
+    kv_b = util.kv_dtype_bytes
+    full = fl.prefill_cost(cfg, n, cfg.dtype_bytes, kv_dtype_bytes=kv_b)
+    lean = fl.prefill_cost(cfg.with_(n_layers=layers), n, cfg.dtype_bytes, kv_dtype_bytes=kv_b)
     before = _projected_s(full, hw, util.dtype, lv.utilization)
     after = _projected_s(lean, hw, util.dtype, lv.utilization)
     detail = (
@@ -182,8 +186,8 @@ def shallower_prefill(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
 def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
     """Weights at 1 byte per parameter: fewer bytes per decode step (KV unchanged)."""
     lv = util.decode.headline
-    base = fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes)
-    q_bytes = fl.decode_bytes(cfg, _ctx(lv), dtype_bytes=1, kv_dtype_bytes=cfg.dtype_bytes)
+    base = _decode(cfg, util, _ctx(lv))
+    q_bytes = fl.decode_bytes(cfg, _ctx(lv), dtype_bytes=1, kv_dtype_bytes=util.kv_dtype_bytes)
     before = _projected_s(base, hw, util.dtype, lv.utilization)
     after = _projected_s(fl.PhaseCost(base.flops, q_bytes), hw, util.dtype, lv.utilization)
     detail = (
@@ -195,21 +199,24 @@ def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
 
 
 def narrower_kv_cache(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
-    """K/V stored at half the model's width (fp32 -> bf16, bf16 -> fp8): fewer bytes per
+    """K/V stored at half the target's cache width (fp32 -> bf16, bf16 -> fp8): fewer bytes per
     decode step, the more so the longer the contexts and the larger the batch."""
     lv = util.decode.headline
-    kv_bytes = max(1, cfg.dtype_bytes // 2)
-    base = fl.decode_cost(cfg, _ctx(lv), cfg.dtype_bytes)
+    now = util.kv_dtype_bytes
+    kv_bytes = max(1, now // 2)
+    base = _decode(cfg, util, _ctx(lv))
     narrow = fl.decode_bytes(cfg, _ctx(lv), cfg.dtype_bytes, kv_dtype_bytes=kv_bytes)
     before = _projected_s(base, hw, util.dtype, lv.utilization)
     after = _projected_s(fl.PhaseCost(base.flops, narrow), hw, util.dtype, lv.utilization)
     name = {2: "bf16", 1: "fp8"}.get(kv_bytes, f"{kv_bytes}-byte")
     detail = (
-        f"K/V cache in {name} ({cfg.dtype_bytes} -> {kv_bytes} bytes; vLLM's and our engine's "
+        f"K/V cache in {name} ({now} -> {kv_bytes} bytes; vLLM's and our engine's "
         f"kv_cache_dtype): {narrow / base.bytes:.0%} of the bytes per decode step at "
         f"{lv.context_tokens:.0f} tokens of context, and twice the tokens in the same memory"
     )
-    return Optimization("narrower K/V cache", "decode", "projected", cfg.dtype_bytes > 1,
+    if now == 1:
+        detail = "the K/V cache already stores 1 byte per element (fp8)"
+    return Optimization("narrower K/V cache", "decode", "projected", now > 1,
                         "decode step time", "s", before, after, detail)
 
 

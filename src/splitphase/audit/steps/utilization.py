@@ -2,8 +2,9 @@
 
 Prefill FLOP utilization = analytical prefill FLOPs / measured prefill time / peak FLOP/s.
 Decode bandwidth utilization = analytical bytes per step (weights once + KV of the batch's
-contexts) / measured step time / peak bandwidth. Both per probe point; the headline is the
-point where the phase ran fastest. Peaks come only from the `HardwareSpec`.
+contexts, at the K/V cache's width) / measured step time / peak bandwidth. Both per probe
+point; the headline is the point where the phase ran fastest. Peaks come only from the
+`HardwareSpec`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Utilization:
     prefill: PhaseResult
     decode: PhaseResult
     dtype: str
+    kv_dtype_bytes: int  # bytes per cached K or V element (a bf16 or fp8 cache is narrower)
 
 
 def compute_dtype(cfg: ModelConfig) -> str:
@@ -109,11 +111,14 @@ def _level(
     )
 
 
-def prefill_level(p: PointProfile, cfg: ModelConfig, hw: HardwareSpec) -> PhaseLevel:
+def prefill_level(
+    p: PointProfile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+) -> PhaseLevel:
     """Prefill of a point: all its prompts' FLOPs over the union of their prefill intervals."""
     n = max(1, round(p.prompt_tokens))
     together = max(1, round(p.prefill_overlap))
-    step = fl.step_cost(cfg, [(n, 0)] * together, [], cfg.dtype_bytes)
+    step = fl.step_cost(cfg, [(n, 0)] * together, [], cfg.dtype_bytes,
+                        kv_dtype_bytes=kv_dtype_bytes)
     # Weights are read once per batch of `together` prompts; the point ran n/together batches.
     return _level(
         p, step.total, p.n / together, p.prefill_busy_s, p.n * p.prompt_tokens, hw,
@@ -121,11 +126,13 @@ def prefill_level(p: PointProfile, cfg: ModelConfig, hw: HardwareSpec) -> PhaseL
     )
 
 
-def decode_level(p: PointProfile, cfg: ModelConfig, hw: HardwareSpec) -> PhaseLevel:
+def decode_level(
+    p: PointProfile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+) -> PhaseLevel:
     """One decode step of a point: its measured batch at its mean context, over the step time."""
     batch = max(1, round(p.decode_batch))
     context = max(0, round(p.decode_context_tokens))
-    cost = fl.decode_cost(cfg, [context] * batch, cfg.dtype_bytes)
+    cost = fl.decode_cost(cfg, [context] * batch, cfg.dtype_bytes, kv_dtype_bytes=kv_dtype_bytes)
     return _level(p, cost, 1, p.decode_step_s, batch, hw, compute_dtype(cfg), batch)
 
 
@@ -141,12 +148,16 @@ def _marginal_prefill(prof: Profile, cfg: ModelConfig, hw: HardwareSpec) -> floa
     return dflops / slope / hw.peak_flops_per_s(compute_dtype(cfg))
 
 
-def utilization(prof: Profile, cfg: ModelConfig, hw: HardwareSpec) -> Utilization:
-    """Step 3: utilization per phase and point; the headline is each phase's fastest point."""
+def utilization(
+    prof: Profile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+) -> Utilization:
+    """Step 3: utilization per phase and point; the headline is each phase's fastest point.
+    `kv_dtype_bytes`: the target's K/V cache width when narrower than the model's."""
     dtype = compute_dtype(cfg)
     ridge = rl.ridge_point(hw, dtype)
-    pre = tuple(prefill_level(p, cfg, hw) for p in prof.points)
-    dec = tuple(decode_level(p, cfg, hw) for p in prof.points)
+    kv_b = cfg.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    pre = tuple(prefill_level(p, cfg, hw, kv_b) for p in prof.points)
+    dec = tuple(decode_level(p, cfg, hw, kv_b) for p in prof.points)
     return Utilization(
         prefill=PhaseResult(
             "prefill", max(pre, key=lambda lv: lv.achieved_flops_per_s), pre, ridge,
@@ -154,6 +165,7 @@ def utilization(prof: Profile, cfg: ModelConfig, hw: HardwareSpec) -> Utilizatio
         ),
         decode=PhaseResult("decode", max(dec, key=lambda lv: lv.tokens_per_s), dec, ridge),
         dtype=dtype,
+        kv_dtype_bytes=kv_b,
     )
 
 
@@ -168,9 +180,11 @@ class Bottleneck:
     attainable_flops_per_s: float
 
 
-def bottleneck(prof: Profile, cfg: ModelConfig, hw: HardwareSpec) -> dict[str, Bottleneck]:
+def bottleneck(
+    prof: Profile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+) -> dict[str, Bottleneck]:
     """Step 2: compute- or memory-bound per phase, at the headline level's shape."""
-    util = utilization(prof, cfg, hw)
+    util = utilization(prof, cfg, hw, kv_dtype_bytes)
     out = {}
     for res in (util.prefill, util.decode):
         ai = res.headline.intensity_flop_per_byte

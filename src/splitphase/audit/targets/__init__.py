@@ -15,14 +15,21 @@ KINDS = ("builtin", "hf", "openai")
 __all__ = ["Codec", "GenerateTimed", "Target", "TokenizerCodec", "open_target", "KINDS"]
 
 
-def open_target(spec: str, model_config: ModelConfig | None = None) -> Target:
-    """Open a target from its spec; `model_config` overrides the geometry it would report."""
+def open_target(
+    spec: str, model_config: ModelConfig | None = None, kv_cache_dtype: str = "auto"
+) -> Target:
+    """Open a target from its spec; `model_config` overrides the geometry it would report.
+    `kv_cache_dtype` is the target's K/V cache: a builtin target's engine stores its pool so;
+    an openai: server's is only declared (the audit prices its decode bytes at that width)."""
     kind, _, arg = spec.partition(":")
     kind = kind.strip().lower()
+    if kv_cache_dtype != "auto" and kind == "hf":
+        raise UserError("--kv-cache-dtype: an hf: target keeps K/V in transformers' cache, at the "
+                        "model's dtype; the option is for builtin and openai: targets")
     if kind == "builtin":
         from splitphase.audit.targets.builtin import DEFAULT_MODEL, BuiltinTarget
 
-        target: Target = BuiltinTarget(arg or DEFAULT_MODEL)
+        target: Target = BuiltinTarget(arg or DEFAULT_MODEL, kv_cache_dtype=kv_cache_dtype)
     elif kind == "hf":
         if not arg:
             raise UserError("hf: target needs a model directory, e.g. hf:./my-llama")

@@ -149,6 +149,7 @@ class BuiltinTarget:
         runner: GenerateTimed | None = None,
         policy: str = "chunked",
         max_num_batched_tokens: int = 2048,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model_name = model
         self._model = load_model(model)
@@ -165,11 +166,16 @@ class BuiltinTarget:
 
             # Two worker processes; their K/V crosses torch.distributed like on two hosts.
             self._engine = DisaggregatedEngine.launch(
-                model, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens)
+                model, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
+                kv_cache_dtype=kv_cache_dtype)
         elif runner is None:
             self._engine = LLMEngine(self._model, self._tok, EngineConfig(
-                policy=policy, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens))
+                policy=policy, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
+                kv_cache_dtype=kv_cache_dtype))
         self.policy = policy
+        # A custom runner keeps K/V at the model's dtype (the reference model's own cache).
+        use_pool = runner is None and kv_cache_dtype != "auto"
+        self.kv_cache_dtype = kv_cache_dtype if use_pool else self._model.cfg.dtype
         self._runner_name = "custom" if runner else f"engine (policy {policy})"
 
     def describe(self) -> dict[str, Any]:
@@ -183,6 +189,7 @@ class BuiltinTarget:
             "torch_threads": torch.get_num_threads(),
             "concurrent_streams": self._engine is not None,
             "policy": self.policy if self._engine is not None else None,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "server_metrics": False,
         }
 

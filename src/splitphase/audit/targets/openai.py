@@ -67,6 +67,7 @@ class OpenAITarget:
         self.served_model, self.max_model_len = self._models()
         self._preflight()
         self.metrics = self._scrape() is not None
+        self.kv_cache_dtype = self._cache_dtype()
         self._codec = TokenizerCodec(Tokenizer.default())
 
     def _get(self, path: str) -> Any:
@@ -124,14 +125,22 @@ class OpenAITarget:
         except (IndexError, ValueError) as exc:
             raise UserError(f"{what} did not stream `data: {{json}}` events (SSE)") from exc
 
-    def _scrape(self) -> dict[str, float] | None:
+    def _metrics_text(self) -> str | None:
         try:
             resp = self._client.get(self.url + "/metrics")
         except _httpx().HTTPError:
             return None
-        if resp.status_code != 200:
+        return resp.text if resp.status_code == 200 else None
+
+    def _cache_dtype(self) -> str | None:
+        text = self._metrics_text()
+        return prometheus.cache_dtype(text) if text is not None else None
+
+    def _scrape(self) -> dict[str, float] | None:
+        text = self._metrics_text()
+        if text is None:
             return None
-        samples = prometheus.parse_samples(resp.text)
+        samples = prometheus.parse_samples(text)
         return samples if prometheus.known_metrics(samples) else None
 
     def describe(self) -> dict[str, Any]:
@@ -144,6 +153,7 @@ class OpenAITarget:
             "runner": "streaming POST /v1/completions (httpx)",
             "concurrent_streams": True,
             "server_metrics": self.metrics,
+            "kv_cache_dtype": self.kv_cache_dtype,  # as /metrics states it; None: not stated
         }
 
     def model_config(self) -> ModelConfig:

@@ -42,7 +42,28 @@ GENERATION_TOKENS = (
     "sglang:generation_tokens_total",
 )
 
+# vLLM's info metric (labels from its CacheConfig) and ours carry the K/V cache's dtype.
+CACHE_CONFIG_INFO = ("splitphase:cache_config_info", "vllm:cache_config_info")
+
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+_CACHE_DTYPE = re.compile(r'(?:^|[{,\s])cache_dtype="([^"]*)"')
+
+
+def cache_dtype(text: str) -> str | None:
+    """The K/V cache dtype a server's /metrics states ("auto": the model's), or None.
+    vLLM's fp8 variants (fp8_inc, fp8_ds_mla, ...) all store one byte: they read as "fp8"."""
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].strip()
+        if name not in CACHE_CONFIG_INFO:
+            continue
+        match = _CACHE_DTYPE.search(line)
+        if not match:
+            continue
+        value = match.group(1)
+        if value.startswith("fp8") and value not in ("fp8_e4m3", "fp8_e5m2"):
+            return "fp8"
+        return value
+    return None
 
 
 def _parse_small(text: str) -> dict[str, float]:
