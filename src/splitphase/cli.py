@@ -208,6 +208,7 @@ def _plan(args: argparse.Namespace) -> None:
         max_gpus=args.max_gpus, attainment=args.attainment, num_requests=args.num_requests,
         price_per_hour=args.price_per_hour, calibration=args.calibration, link=args.link,
         router=args.router, quick=args.quick, seed=args.seed, progress=not args.no_progress,
+        kv_cache_dtype=args.kv_cache_dtype,
     ))
 
 
@@ -221,6 +222,8 @@ _WORKLOAD_HELP = (
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from splitphase.engine.config import KV_CACHE_DTYPES
+
     pl = sub.add_parser("plan", help="size prefill and decode pools by simulation (goodput, cost)")
     pl.add_argument("--model-config", required=True, help="preset name or config.json")
     pl.add_argument("--hardware", required=True, help="hardware table name (e.g. h100-sxm)")
@@ -238,6 +241,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--link", default="nvlink", help="KV transfer link: nvlink, infiniband, "
                     "ethernet")
     pl.add_argument("--router", default="least_loaded", choices=["least_loaded", "round_robin"])
+    pl.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the replicas' K/V cache (auto: bf16, as the weights); fp8 fits twice "
+                    "the tokens and halves decode's K/V reads and a disaggregated pair's transfer")
     pl.add_argument("--quick", action="store_true", help="a smaller search space")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--no-progress", action="store_true")

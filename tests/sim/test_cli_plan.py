@@ -50,3 +50,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     assert main(_args(tmp_path, **over)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("splitphase: error:") and message in err and "\n" not in err
+
+
+def test_an_fp8_kv_cache_gives_every_replica_twice_the_blocks(tmp_path: Path) -> None:
+    from splitphase.commands.plan import PlanOptions, plan_inputs
+    from splitphase.sim.planner import candidate_units
+
+    def blocks(kv: str) -> list[int]:
+        opts = PlanOptions("llama-3.1-8b", "h100-sxm", "poisson:1", 1.0, 0.5, 0.05,
+                           str(tmp_path), kv_cache_dtype=kv)
+        inp = plan_inputs(opts)
+        assert inp.kv_dtype_bytes == {"auto": None, "fp8": 1}[kv]
+        return [p.scheduler.num_blocks for u in candidate_units(inp, 512) for p in u.pools()]
+
+    for bf16, fp8 in zip(blocks("auto"), blocks("fp8"), strict=True):
+        assert fp8 in (2 * bf16, 2 * bf16 + 1)
+    assert main(_args(tmp_path, **{"--max-gpus": "2", "--kv-cache-dtype": "fp8"})
+                + ["--quick"]) == 0
+    doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert doc["kv_dtype_bytes"] == 1
+    assert "K/V cache 1 byte/element" in (tmp_path / "plan" / "plan.html").read_text()

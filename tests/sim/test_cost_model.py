@@ -75,6 +75,19 @@ def test_kv_capacity_and_transfer() -> None:
     assert set(LINKS) == {"nvlink", "infiniband", "ethernet"}
 
 
+def test_an_fp8_kv_cache_fits_twice_the_tokens_and_moves_half_the_kv() -> None:
+    bf16, fp8 = CostModel(CFG, H100), CostModel(CFG, H100, kv_dtype_bytes=1)
+    assert fp8.kv_bytes_per_token() * 2 == bf16.kv_bytes_per_token()
+    assert fp8.num_kv_blocks(16) in (2 * bf16.num_kv_blocks(16), 2 * bf16.num_kv_blocks(16) + 1)
+    ib = get_link("infiniband")
+    assert fp8.kv_transfer_s(8000, ib) < bf16.kv_transfer_s(8000, ib)
+    assert fp8.weight_bytes == bf16.weight_bytes  # weights stay bf16
+    long_ctx, short_ctx = [8000] * 32, [100] * 32
+    saved_long = bf16.step_time([], long_ctx).total_s - fp8.step_time([], long_ctx).total_s
+    saved_short = bf16.step_time([], short_ctx).total_s - fp8.step_time([], short_ctx).total_s
+    assert saved_long > 20 * saved_short > 0  # the K/V share of a decode step halves
+
+
 def test_efficiency_from_audit_report(tmp_path: Path) -> None:
     p = tmp_path / "report.json"
     p.write_text(json.dumps({"prefill": {"flops_utilization": 0.41},

@@ -35,6 +35,17 @@ def test_dense_closed_form_equals_the_general_formulas_bit_for_bit(
         assert dense.work(chunks, len(lens), sum(lens)) == step_work(cfg, chunks, lens, dtype_bytes)
 
 
+@pytest.mark.parametrize("cfg", DENSE[1:3], ids=lambda c: c.name)
+def test_a_narrower_kv_cache_keeps_the_closed_form_exact(cfg: ModelConfig) -> None:
+    dense = DenseStepWork(cfg, 2, kv_dtype_bytes=1)
+    for chunks, lens in _batches(7, 100):
+        assert dense.work(chunks, len(lens), sum(lens)) == step_work(cfg, chunks, lens, 2, 1)
+    cm = CostModel(cfg, get_hardware("h100-sxm"), kv_dtype_bytes=1)
+    positions = [17, 900, 4000]
+    for k, t in zip(range(2, 9), cm.decode_steps_s(positions, 2, 8), strict=True):
+        assert t == cm.step_time([], [p + k for p in positions]).total_s
+
+
 def _decodes(cached_lens: list[int]) -> DecodeBatch:
     n = len(cached_lens)
     return DecodeBatch(("d",) * n, tuple(cached_lens), (0,) * n, ((),) * n)

@@ -30,6 +30,7 @@ class PlanOptions:
     quick: bool = False
     seed: int = 0
     progress: bool = True
+    kv_cache_dtype: str = "auto"  # the pools' K/V cache ("auto": the bf16 the planner prices)
 
 
 def _check(opts: PlanOptions) -> None:
@@ -51,6 +52,7 @@ def _check(opts: PlanOptions) -> None:
 def plan_inputs(opts: PlanOptions) -> Any:
     """Validated `PlanInputs` from the command-line options."""
     from splitphase.commands.audit import load_model_config, resolve_hardware
+    from splitphase.engine.config import kv_cache_dtype_bytes
     from splitphase.hardware.specs import HardwareError, get_link
     from splitphase.sim.cost_model import Efficiency
     from splitphase.sim.metrics import SLO
@@ -70,9 +72,10 @@ def plan_inputs(opts: PlanOptions) -> Any:
     if opts.quick:
         space = replace(space, tps=(1, 2), chunk_budgets=(512, 2048), mixed_max_num_seqs=(256,),
                         disagg_tps=((1, 1),), disagg_ratios=((1, 1), (2, 1), (1, 2)))
+    kv_b = None if opts.kv_cache_dtype == "auto" else kv_cache_dtype_bytes(opts.kv_cache_dtype, 2)
     return PlanInputs(model, hw, workload, opts.rate, SLO(opts.slo_ttft_s, opts.slo_tpot_s,
                       opts.attainment), opts.max_gpus, opts.num_requests, opts.seed, link,
-                      opts.router, eff, space)
+                      opts.router, eff, space, kv_dtype_bytes=kv_b)
 
 
 def plan(opts: PlanOptions) -> dict[str, Any]:

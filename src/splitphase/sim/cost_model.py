@@ -128,6 +128,9 @@ class CostModel:
     dtype: str = "bfloat16"
     dtype_bytes: int = 2
     tp_link: LinkSpec | None = None  # default: the hardware's interconnect (NVLink)
+    # The K/V cache's bytes per element (an fp8 cache: 1); None: dtype_bytes. Sets how many
+    # tokens fit, the K/V bytes a step reads and what a disaggregated pair sends.
+    kv_dtype_bytes: int | None = None
 
     def __post_init__(self) -> None:
         cfg = self.model
@@ -156,7 +159,8 @@ class CostModel:
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token across the replica's devices."""
-        return kv_bytes_per_token(self.model, self.dtype_bytes)
+        kv_b = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return kv_bytes_per_token(self.model, kv_b)
 
     def num_kv_blocks(self, block_size: int, memory_fraction: float = DEFAULT_MEMORY_FRACTION
                       ) -> int:
@@ -173,7 +177,8 @@ class CostModel:
     def step_time(self, chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]
                   ) -> StepTime:
         """Time of a step with prefill chunks (new, before) and decodes (cached lengths)."""
-        return self._time_of(step_work(self.model, chunks, decode_context_lens, self.dtype_bytes))
+        return self._time_of(step_work(self.model, chunks, decode_context_lens, self.dtype_bytes,
+                                       self.kv_dtype_bytes))
 
     def step_time_of(self, out: SchedulerOutput) -> StepTime:
         """Time of one scheduled step (equal to `step_time` of its chunks and decodes)."""
@@ -235,7 +240,9 @@ class CostModel:
     def _dense(self) -> DenseStepWork | None:
         """The closed-form FLOP/byte counter when the model is dense (the common case)."""
         cfg = self.model
-        return None if cfg.is_moe or cfg.is_dual_flow else DenseStepWork(cfg, self.dtype_bytes)
+        if cfg.is_moe or cfg.is_dual_flow:
+            return None
+        return DenseStepWork(cfg, self.dtype_bytes, self.kv_dtype_bytes)
 
     @cached_property
     def _rates(self) -> tuple[float, float, float]:

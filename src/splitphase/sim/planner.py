@@ -62,6 +62,7 @@ class PlanInputs:
     bisect_steps: int = 4
     max_requests_factor: int = 20  # a goodput probe simulates at most this many x num_requests
     length_cap: int | None = None  # prompt + output tokens per request; None: the model context
+    kv_dtype_bytes: int | None = None  # the K/V cache's width (fp8: 1); None: the model's
 
     def horizon_s(self) -> float:
         """Arrival span a probe should cover so queueing shows in its latencies, not only the
@@ -133,7 +134,8 @@ def candidate_units(inp: PlanInputs, longest_request: int) -> list[ClusterConfig
 
     def cost(tp: int) -> CostModel | None:
         try:
-            c = CostModel(inp.model, inp.hardware, tp, inp.efficiency)
+            c = CostModel(inp.model, inp.hardware, tp, inp.efficiency,
+                          kv_dtype_bytes=inp.kv_dtype_bytes)
             c.num_kv_blocks(BLOCK_SIZE)
             return c
         except CostModelError:
@@ -179,7 +181,7 @@ def saturation_rate(inp: PlanInputs, unit: ClusterConfig) -> float:
     seats = sum(p.replicas * p.scheduler.max_num_seqs for p in unit.pools())
     n = max(inp.num_requests, min(2 * seats, 4 * inp.num_requests))
     reqs = inp.workload.with_rate(1e9).generate(n, inp.seed, _max_len(inp))
-    res = simulate(unit, inp.model, inp.hardware, reqs)
+    res = simulate(unit, inp.model, inp.hardware, reqs, kv_dtype_bytes=inp.kv_dtype_bytes)
     return n / max(res.makespan_s - reqs[0].arrival_s, 1e-12)
 
 
@@ -187,7 +189,8 @@ def run_at(inp: PlanInputs, cluster: ClusterConfig, rate_per_s: float, num_reque
            ) -> tuple[SimResult, list[SimRequest]]:
     """Simulate `cluster` on the workload at `rate_per_s`."""
     reqs = inp.workload.with_rate(rate_per_s).generate(num_requests, inp.seed, _max_len(inp))
-    return simulate(cluster, inp.model, inp.hardware, reqs), reqs
+    return simulate(cluster, inp.model, inp.hardware, reqs,
+                    kv_dtype_bytes=inp.kv_dtype_bytes), reqs
 
 
 def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:

@@ -125,6 +125,7 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
         "max_gpus": inp.max_gpus,
         "num_requests": inp.num_requests,
         "efficiency": inp.efficiency.to_dict(),
+        "kv_dtype_bytes": inp.kv_dtype_bytes,  # None: as the weights (bf16)
         "kv_link": {"name": inp.link.name, "bytes_per_s": inp.link.bytes_per_s,
                     "latency_s": inp.link.latency_s},
         "router": inp.router,
@@ -193,6 +194,11 @@ def plots(doc: dict[str, Any], cands: list[Candidate]) -> dict[str, str]:
     return out
 
 
+def _kv_note(doc: dict[str, Any]) -> str:
+    width = doc.get("kv_dtype_bytes")
+    return "" if width is None else f"; K/V cache {width} byte{'s' if width > 1 else ''}/element"
+
+
 def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:
     """Write plan.json, plan.html and plan.md into `out_dir`."""
     out = Path(out_dir)
@@ -211,7 +217,7 @@ def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate])
         f'</title><style>{CSS}</style></head><body><main><header><h1>splitphase plan</h1>'
         f'<div class="meta">{escape(doc["model"])} on {escape(doc["hardware"]["name"])}, '
         f'workload {escape(str(wl["name"]))} at {doc["rate_per_s"]:g} req/s; SLOs TTFT '
-        f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s</div></header>'
+        f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s{_kv_note(doc)}</div></header>'
         f'<div class="summary"><ul>{summary}</ul></div><section>{imgs}'
         f'<h2>Goodput frontier</h2>{table_html(front_header, front)}'
         f'<h2>Every configuration</h2>{table_html(TABLE_HEADER, rows)}</section></main>'

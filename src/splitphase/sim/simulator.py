@@ -79,9 +79,10 @@ class Simulation:
 
     def __init__(self, cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
                  record_steps: bool = False, dtype: str = "bfloat16", dtype_bytes: int = 2,
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True, kv_dtype_bytes: int | None = None) -> None:
         self.cluster = cluster
-        base = CostModel(model, hardware, dtype=dtype, dtype_bytes=dtype_bytes)
+        base = CostModel(model, hardware, dtype=dtype, dtype_bytes=dtype_bytes,
+                         kv_dtype_bytes=kv_dtype_bytes)
         self.colocated: list[Replica] = []
         self.prefill: list[Replica] = []
         self.decode: list[Replica] = []
@@ -207,11 +208,12 @@ class Simulation:
 
 def simulate(cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
              requests: Sequence[SimRequest], record_steps: bool = False,
-             dtype: str = "bfloat16", dtype_bytes: int = 2, fast_forward: bool = True
-             ) -> SimResult:
+             dtype: str = "bfloat16", dtype_bytes: int = 2, fast_forward: bool = True,
+             kv_dtype_bytes: int | None = None) -> SimResult:
     """Run `requests` through `cluster` and return what happened.
 
-    fast_forward=False steps every decode through the scheduler (the same results, slower).
+    fast_forward=False steps every decode through the scheduler (the same results, slower);
+    kv_dtype_bytes: the K/V cache's width (None: dtype_bytes).
     """
     return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes,
-                      fast_forward).run(requests)
+                      fast_forward, kv_dtype_bytes).run(requests)
