@@ -29,3 +29,4 @@ def test_decode_attention_ab_reports_native_and_stream() -> None:
     assert [x.split(":")[0] for x in lines] == [
         f"b{b} context 20 block {k}" for b in (1, 3) for k in (16, 32)]
     assert all("native" in x and "stream" in x and "of the stream's GB/s" in x for x in lines)
+    assert all("cached" in x and "x cached's time" in x for x in lines)

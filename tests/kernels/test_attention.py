@@ -45,6 +45,21 @@ def test_fp32_matches_gather_and_sdpa(heads: int, groups: int, dim: int) -> None
 
 
 @needs_kernel
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(12, 4, 64), (6, 2, 24), (8, 1, 64)])
+def test_long_contexts_match_gather_and_sdpa(heads: int, groups: int, dim: int) -> None:
+    # Past the short cases above: the prefetches ahead, the value walk in registers (64), axpy
+    # for a head_dim tail (24) and for 8 query heads a K/V head, over up to 1000 slots.
+    g = torch.Generator().manual_seed(11)
+    pool, lengths = 1200, torch.tensor([128, 129, 300, 385, 1000])
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    k, v = (torch.randn(pool, groups, dim, generator=g) for _ in range(2))
+    slots = torch.stack([torch.randperm(pool, generator=g)[:1000] for _ in lengths])
+    with torch.inference_mode():
+        got = decode_attention(q, k, v, slots, lengths)
+    torch.testing.assert_close(got, _torch_path(q, k, v, slots, lengths), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
 def test_bf16_matches_within_bf16_rounding() -> None:
     args = _case(torch.bfloat16, 12, 4, 64, seed=3)
     with torch.inference_mode():
