@@ -21,6 +21,7 @@ the block), native's GB/s as a fraction of the stream's, and native's time over 
 Nothing is asserted.
 
     OMP_NUM_THREADS=2 python bench/decode_attention_ab.py --batch 1 8 --context 512 2048
+    python bench/decode_attention_ab.py --batch 8 32 --context 2048 --pool fp8  # fp32 q, fp8 K/V
     python bench/decode_attention_ab.py --batch 8 32 --context 2048 --block 16 64  # block sizes
 """
 
@@ -40,12 +41,16 @@ from splitphase.model.config import ModelConfig
 
 BLOCK = 16  # the engine's default block size (EngineConfig.block_size)
 FLUSH_BYTES = 64 << 20  # past this host's 32 MiB L3
+POOLS = {"same": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+         "fp8_e5m2": torch.float8_e5m2}
 STREAM_COLS = 1024  # at most; base-125m's pools of BLOCK-slot blocks are whole such rows
 
 
 def stream(*tensors: torch.Tensor) -> object:
     """Reads `tensors` through the batch-1 linear kernel, each as a weight of up to
     STREAM_COLS columns times a row of ones."""
+    if tensors[0].element_size() == 1:  # fp8: the same bytes, read as bf16 (no fp8 linear)
+        tensors = tuple(t.view(torch.bfloat16) for t in tensors)
     cols = math.gcd(tensors[0].numel(), STREAM_COLS)
     x = torch.ones(1, cols, dtype=tensors[0].dtype)
     return torch.ops.splitphase.skinny_linear(x, [t.view(-1, cols) for t in tensors], 0)
@@ -65,12 +70,12 @@ class Layers:
     """A step's K/V pools, one per layer, and the queries and slots that read them."""
 
     def __init__(self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
-                 block: int = BLOCK) -> None:
+                 block: int = BLOCK, pool_dtype: torch.dtype | None = None) -> None:
         gen = torch.Generator().manual_seed(0)
         slots_n = batch * -(-context // block) * block
         shape = (slots_n, cfg.n_kv_heads, cfg.head_dim)
         self.pools = [
-            tuple(torch.randn(shape, generator=gen).to(dtype) for _ in "kv")
+            tuple(torch.randn(shape, generator=gen).to(pool_dtype or dtype) for _ in "kv")
             for _ in range(cfg.n_layers)
         ]
         self.q = torch.randn(batch, cfg.n_heads, cfg.head_dim, generator=gen).to(dtype)
@@ -78,7 +83,7 @@ class Layers:
         self.shared_slots = torch.arange(context).repeat(batch, 1)  # one context for all
         self.lengths = torch.full((batch,), context, dtype=torch.long)
         self.flush = torch.zeros(FLUSH_BYTES // 4)
-        per_token = 2 * cfg.n_kv_heads * cfg.head_dim * self.q.element_size()
+        per_token = 2 * cfg.n_kv_heads * cfg.head_dim * self.pools[0][0].element_size()
         self.bytes = {
             "native": cfg.n_layers * batch * context * per_token,
             "stream": cfg.n_layers * slots_n * per_token,
@@ -135,6 +140,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--pool", choices=list(POOLS), default="same",
+                    help="the K/V pools' dtype (kv_cache_dtype), queries in --dtype")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, nargs="+", default=[BLOCK],
                     help="slots a K/V block (EngineConfig.block_size), each timed in turn")
@@ -144,12 +151,14 @@ def main() -> None:
     cfg = ModelConfig.from_name(args.preset)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
-    print(f"threads {torch.get_num_threads()}, {args.dtype}, {cfg.n_layers} layers, "
-          f"H {cfg.n_heads} G {cfg.n_kv_heads} D {cfg.head_dim}, load before {os.getloadavg()}")
+    pool = POOLS[args.pool] or dtype
+    print(f"threads {torch.get_num_threads()}, {args.dtype} queries over {pool} pools, "
+          f"{cfg.n_layers} layers, H {cfg.n_heads} G {cfg.n_kv_heads} D {cfg.head_dim}, "
+          f"load before {os.getloadavg()}")
     for batch in args.batch:
         for context in args.context:
             for block in args.block:
-                _report(Layers(cfg, batch, context, dtype, block), args.rounds,
+                _report(Layers(cfg, batch, context, dtype, block, pool), args.rounds,
                         f"b{batch} context {context} block {block}")
     print(f"load after {os.getloadavg()}")
 

@@ -30,3 +30,17 @@ def test_decode_attention_ab_reports_native_and_stream() -> None:
         f"b{b} context 20 block {k}" for b in (1, 3) for k in (16, 32)]
     assert all("native" in x and "stream" in x and "of the stream's GB/s" in x for x in lines)
     assert all("cached" in x and "x cached's time" in x for x in lines)
+
+
+def test_decode_attention_ab_times_fp32_queries_over_an_fp8_pool() -> None:
+    if not build.available():
+        pytest.skip(f"native kernels unavailable: {build.status().reason}")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "decode_attention_ab.py"), "--preset", "tiny",
+         "--batch", "2", "--context", "32", "--rounds", "1", "--pool", "fp8"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "float32 queries over torch.float8_e4m3fn pools" in proc.stdout
+    assert any(x.startswith("b2 context 32 block 16: native") for x in proc.stdout.splitlines())
