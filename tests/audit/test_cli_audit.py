@@ -155,6 +155,20 @@ def test_openai_audit_prices_decode_at_the_servers_kv_cache_width(tmp_path: Path
     assert not kv_rows["stated"]["applicable"] and kv_rows["declared"]["applicable"]
 
 
+def test_a_cache_dtype_the_audit_cannot_price_falls_back_to_the_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with FakeOpenAIServer(FakeTiming(cache_dtype="int4")) as url:
+        args = ["audit", "--target", f"openai:{url}", "--quick", "--out", str(tmp_path),
+                *OPENAI_ARGS]
+        assert main([a for a in args if a != "--no-progress"]) == 0
+    assert "states K/V cache dtype 'int4', which the audit cannot price" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["target"]["kv_cache_dtype"] == "auto"
+    assert doc["target"]["kv_cache_dtype_source"] == "model"
+    assert doc["model"]["kv_dtype_bytes"] == ModelConfig.from_name("llama-3.2-1b").dtype_bytes
+
+
 def test_hf_audit_refuses_a_kv_cache_dtype(capsys: pytest.CaptureFixture[str],
                                            tmp_path: Path) -> None:
     _fails(capsys, ["audit", "--target", f"hf:{tmp_path}", "--kv-cache-dtype", "fp8",

@@ -145,6 +145,9 @@ def _kv_cache(
     stated = described.get("kv_cache_dtype")
     if opts.kv_cache_dtype != "auto":
         name, source = opts.kv_cache_dtype, "option"
+        if stated not in (None, "auto", name) and opts.progress:
+            print(f"the target states K/V cache dtype {stated!r}; pricing decode at "
+                  f"--kv-cache-dtype {name!r}")
     elif stated in KV_CACHE_DTYPE_BYTES or stated == "auto":
         name, source = stated, "target"
     else:
