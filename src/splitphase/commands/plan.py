@@ -72,6 +72,7 @@ def plan_inputs(opts: PlanOptions) -> Any:
     if opts.quick:
         space = replace(space, tps=(1, 2), chunk_budgets=(512, 2048), mixed_max_num_seqs=(256,),
                         disagg_tps=((1, 1),), disagg_ratios=((1, 1), (2, 1), (1, 2)))
+    # "auto": as the weights, which the planner prices in bf16 (CostModel's 2 bytes).
     kv_b = None if opts.kv_cache_dtype == "auto" else kv_cache_dtype_bytes(opts.kv_cache_dtype, 2)
     return PlanInputs(model, hw, workload, opts.rate, SLO(opts.slo_ttft_s, opts.slo_tpot_s,
                       opts.attainment), opts.max_gpus, opts.num_requests, opts.seed, link,
