@@ -10,6 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from splitphase.audit.report.fmt import element_bytes
 from splitphase.audit.report.html import CSS, table_html
 from splitphase.audit.report.markdown import table_md
 from splitphase.audit.report.plots import BLUE, GREY, ORANGE, pyplot, to_png
@@ -196,7 +197,7 @@ def plots(doc: dict[str, Any], cands: list[Candidate]) -> dict[str, str]:
 
 def _kv_note(doc: dict[str, Any]) -> str:
     width = doc.get("kv_dtype_bytes")
-    return "" if width is None else f"; K/V cache {width} byte{'s' if width > 1 else ''}/element"
+    return "" if width is None else f"; K/V cache {element_bytes(width)}"
 
 
 def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:

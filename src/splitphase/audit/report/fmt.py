@@ -90,6 +90,11 @@ def level_header(phase: str) -> list[str]:
             "bandwidth util", "tokens/s", "tokens/s at full"]
 
 
+def element_bytes(width: int) -> str:
+    """"1 byte/element", "2 bytes/element"."""
+    return f"{width} byte{'s' if width > 1 else ''}/element"
+
+
 def kv_cache(doc: dict[str, Any]) -> str:
     """", K/V cache fp8 (1 byte/element)": the width decode bytes were priced at ("" if unknown)."""
     width = doc["model"].get("kv_dtype_bytes")
@@ -98,4 +103,4 @@ def kv_cache(doc: dict[str, Any]) -> str:
     name = doc["target"].get("kv_cache_dtype")
     if name in (None, "auto"):
         name = doc["model"]["config"].get("dtype", "model dtype")
-    return f", K/V cache {name} ({width} byte{'s' if width > 1 else ''}/element)"
+    return f", K/V cache {name} ({element_bytes(width)})"

@@ -66,8 +66,9 @@ class OpenAITarget:
         self._client = _httpx().Client(timeout=TIMEOUT_S)
         self.served_model, self.max_model_len = self._models()
         self._preflight()
-        self.metrics = self._scrape() is not None
-        self.kv_cache_dtype = self._cache_dtype()
+        text = self._metrics_text()  # one GET: which histograms, and the K/V cache's dtype
+        self.metrics = self._samples(text) is not None
+        self.kv_cache_dtype = prometheus.cache_dtype(text) if text is not None else None
         self._codec = TokenizerCodec(Tokenizer.default())
 
     def _get(self, path: str) -> Any:
@@ -132,16 +133,15 @@ class OpenAITarget:
             return None
         return resp.text if resp.status_code == 200 else None
 
-    def _cache_dtype(self) -> str | None:
-        text = self._metrics_text()
-        return prometheus.cache_dtype(text) if text is not None else None
-
-    def _scrape(self) -> dict[str, float] | None:
-        text = self._metrics_text()
+    @staticmethod
+    def _samples(text: str | None) -> dict[str, float] | None:
         if text is None:
             return None
         samples = prometheus.parse_samples(text)
         return samples if prometheus.known_metrics(samples) else None
+
+    def _scrape(self) -> dict[str, float] | None:
+        return self._samples(self._metrics_text())
 
     def describe(self) -> dict[str, Any]:
         return {
