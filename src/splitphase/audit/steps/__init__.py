@@ -1,7 +1,8 @@
 """The audit's five steps as pure functions of traces, model config, hardware spec and price.
 
-1. `profile` (traces)  2. `bottleneck` and 3. `utilization` (profile, config, hardware)
-4. `optimizations` (profile, utilization, config, hardware)  5. `cost` (utilization, price).
+1. `profile` (traces)  3. `utilization` (profile, config, hardware)  2. `bottleneck` (its
+headline levels, hardware)  4. `optimizations` (profile, utilization, config, hardware)
+5. `cost` (utilization, price).
 `run_steps` chains them into one `AuditResult`.
 """
 
@@ -64,7 +65,7 @@ def run_steps(
     util = utilization(prof, cfg, hw, kv_dtype_bytes)
     return AuditResult(
         profile=prof,
-        bottleneck=bottleneck(prof, cfg, hw, kv_dtype_bytes),
+        bottleneck=bottleneck(util, hw),
         utilization=util,
         optimizations=optimizations(prof, util, cfg, hw, policy_results, current_policy),
         cost=cost(util, price_usd_per_hour, workload),

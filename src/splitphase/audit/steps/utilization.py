@@ -180,11 +180,8 @@ class Bottleneck:
     attainable_flops_per_s: float
 
 
-def bottleneck(
-    prof: Profile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
-) -> dict[str, Bottleneck]:
-    """Step 2: compute- or memory-bound per phase, at the headline level's shape."""
-    util = utilization(prof, cfg, hw, kv_dtype_bytes)
+def bottleneck(util: Utilization, hw: HardwareSpec) -> dict[str, Bottleneck]:
+    """Step 2: compute- or memory-bound per phase, at step 3's headline level's shape."""
     out = {}
     for res in (util.prefill, util.decode):
         ai = res.headline.intensity_flop_per_byte
