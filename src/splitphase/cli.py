@@ -12,6 +12,22 @@ from splitphase.errors import UserError
 Handler = Callable[[argparse.Namespace], None]
 
 
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def byte_count(text: str) -> int:
+    """"4000000000", "4G", "3.5GiB", "512Mi" -> bytes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti)."""
+    raw = text.strip().lower().removesuffix("b")
+    unit = raw.lstrip("0123456789.e+")
+    try:
+        value = float(raw[: len(raw) - len(unit)]) * _BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a byte count (e.g. 4000000000, 4G, 3.5GiB)") from None
+    return int(value)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from splitphase.commands.audit import demo
 
@@ -87,6 +103,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_process=args.engine_process,
         compile=tuple(p for p in (args.compile or "").split(",") if p),
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
     )
     serve(config, args.host, args.port, args.log_level)
 
@@ -126,6 +143,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="dtype of the paged K/V pool (auto: the model's); bfloat16 under an "
                     "fp32 model holds twice the tokens in the same memory")
+    sv.add_argument("--kv-cache-bytes", type=byte_count, metavar="BYTES",
+                    help="memory of the K/V pool, e.g. 4G or 3.5GiB (as vLLM's "
+                    "--kv-cache-memory-bytes; default: a quarter of free memory, at most what "
+                    "--max-num-seqs full-length sequences use)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 

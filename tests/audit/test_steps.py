@@ -10,6 +10,7 @@ from splitphase.audit.steps import Workload, cost, profile, run_steps, utilizati
 from splitphase.audit.steps.optimizations import (
     batching_policy,
     dual_flow_decode,
+    larger_decode_batch,
     moe_decode_top_k,
     narrower_kv_cache,
     optimizations,
@@ -209,6 +210,22 @@ def test_a_narrower_kv_cache_is_priced_at_its_width() -> None:
     assert result.utilization.kv_dtype_bytes == 1
 
 
+def test_a_larger_decode_batch_names_the_pool_that_stops_it_short() -> None:
+    util = utilization(profile(_sweep()), LLAMA8B, HW)
+    physical = larger_decode_batch(util, LLAMA8B, HW)
+    assert physical.applicable and "pool" not in physical.detail
+    context = round(util.decode.headline.context_tokens)
+    small = larger_decode_batch(util, LLAMA8B, HW, kv_pool_tokens=3 * (context + 1))
+    assert (small.before, small.after) == (physical.before, physical.after)  # still the bound
+    assert "K/V pool holds" in small.detail and "about 3 such streams" in small.detail
+    roomy = larger_decode_batch(util, LLAMA8B, HW, kv_pool_tokens=10**9)
+    assert roomy.detail == physical.detail
+    result = run_steps(_sweep(), LLAMA8B, HW, 2.0, Workload(1000, 512, 64),
+                       kv_pool_tokens=3 * (context + 1))
+    row = next(o for o in result.optimizations if o.name == "larger decode batch")
+    assert "about 3 such streams" in row.detail
+
+
 def test_batching_policy_gain_is_against_the_policy_the_engine_runs() -> None:
     results = [PolicyResult("mixed", 0.005, 0.500, 0.6, 100.0),
                PolicyResult("chunked", 0.004, 0.060, 0.2, 120.0),
@@ -236,6 +253,10 @@ def test_compare_verdicts_print_the_table_ratios() -> None:
     same = PhaseSpeeds("c", 0.05, 0.003, 1020.0, 98.0, 50.0)
     assert verdicts([base, same])[0].endswith("prefill about the same (1.02x), "
                                               "decode about the same (0.98x)")
+    stated = [PhaseSpeeds("a", 0.05, 0.003, 1000.0, 100.0, 50.0, "bfloat16"),
+              PhaseSpeeds("b", 0.05, 0.003, 1000.0, 150.0, 50.0, "fp8")]
+    assert verdicts(stated)[0].endswith("decode 1.50x faster (K/V cache fp8 vs bfloat16)")
+    assert not verdicts([base, stated[1]])[0].endswith(")")  # one unstated: nothing to contrast
 
 
 def test_measured_policies_supersede_the_ideal_isolation_gain() -> None:

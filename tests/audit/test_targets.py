@@ -218,11 +218,25 @@ def test_prometheus_cache_dtype_from_vllm_and_ours() -> None:
     assert prometheus.cache_dtype('other_info{cache_dtype="fp8"} 1\n') is None
 
 
-def test_openai_target_states_the_servers_cache_dtype() -> None:
-    for stated in ("fp8", None):
-        with FakeOpenAIServer(FakeTiming(cache_dtype=stated)) as url:
+def test_prometheus_pool_tokens_from_vllm_and_ours() -> None:
+    vllm = 'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="9"} 1\n'
+    assert prometheus.kv_pool_tokens(vllm) == 144
+    assert prometheus.kv_pool_tokens(vllm.replace('"9"', '"None"')) is None  # not profiled yet
+    ours = ('splitphase:cache_config_info{block_size="16",cache_dtype="float32",'
+            'model_name="m"} 1.0\nsplitphase:kv_cache_blocks_total{model_name="m"} 40.0\n')
+    assert prometheus.kv_pool_tokens(METRICS + ours) == 640
+    assert prometheus.cache_dtype(ours) == "float32"
+    no_size = ours.replace('block_size="16",', "")  # a disaggregated pair states no size
+    assert prometheus.kv_pool_tokens(no_size) is None and prometheus.cache_dtype(no_size)
+    assert prometheus.kv_pool_tokens(METRICS) is None
+
+
+def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:
+    for stated, blocks in (("fp8", 100), (None, None)):
+        with FakeOpenAIServer(FakeTiming(cache_dtype=stated, num_gpu_blocks=blocks)) as url:
             target = open_target(f"openai:{url}", ModelConfig.from_name("tiny"))
             assert target.describe()["kv_cache_dtype"] == stated
+            assert target.describe()["kv_pool_tokens"] == (1600 if blocks else None)
             target.close()
 
 
@@ -231,6 +245,8 @@ def test_builtin_stores_its_pool_in_the_given_dtype(tiny_ckpt: Path) -> None:
     try:
         assert target.describe()["kv_cache_dtype"] == "fp8"
         assert target._engine.kv_dtype_bytes == 1
+        blocks = target._engine.scheduler.block_manager.num_blocks
+        assert target.describe()["kv_pool_tokens"] == blocks * 16 > 0
         traces = target.run(_requests(target, 24, 2, 4, 2), concurrency=2)
     finally:
         target.close()

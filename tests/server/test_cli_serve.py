@@ -92,3 +92,18 @@ def test_kv_cache_dtype_flag() -> None:
     assert "kv_cache_dtype" not in ServerConfig().engine_kwargs()
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
         ServerConfig(kv_cache_dtype="int8")
+
+
+def test_kv_cache_bytes_takes_units_and_reaches_the_engine() -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve"]).kv_cache_bytes is None
+    for text, nbytes in (("4000000", 4_000_000), ("4G", 4 * 10**9), ("3.5GiB", 7 * 2**29),
+                         ("512Mi", 2**29), ("2kB", 2000)):
+        assert parse(["serve", "--kv-cache-bytes", text]).kv_cache_bytes == nbytes, text
+    for bad in ("lots", "4Q", "G"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--kv-cache-bytes", bad])
+    assert ServerConfig(kv_cache_bytes=2**20).engine_kwargs()["kv_cache_bytes"] == 2**20
+    assert "kv_cache_bytes" not in ServerConfig().engine_kwargs()
+    with pytest.raises(ValueError, match="kv-cache-bytes must be >= 1"):
+        ServerConfig(kv_cache_bytes=0)

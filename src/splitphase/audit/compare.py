@@ -18,9 +18,17 @@ class PhaseSpeeds:
     prefill_tokens_per_s: float  # best point: prompt tokens over the union of prefill intervals
     decode_tokens_per_s: float  # best point: streams decoding at once over the step time
     decode_tokens_per_s_single: float  # one stream: 1 / p50 step at concurrency 1
+    kv_cache_dtype: str | None = None  # as the target states it; decode reads K/V at its width
 
 
-def phase_speeds(spec: str, prof: Profile) -> PhaseSpeeds:
+def kv_cache_of(described: dict[str, Any]) -> str | None:
+    """A target's K/V cache dtype from its description (transformers': the model's dtype)."""
+    if described.get("kind") == "hf":
+        return described.get("dtype")
+    return described.get("kv_cache_dtype")
+
+
+def phase_speeds(spec: str, prof: Profile, kv_cache_dtype: str | None = None) -> PhaseSpeeds:
     """Per-phase speeds of one target's profile."""
     single = [p for p in prof.points if p.concurrency == 1] or list(prof.points)
     return PhaseSpeeds(
@@ -30,6 +38,7 @@ def phase_speeds(spec: str, prof: Profile) -> PhaseSpeeds:
         prefill_tokens_per_s=max(p.n * p.prompt_tokens / p.prefill_busy_s for p in prof.points),
         decode_tokens_per_s=max(p.decode_batch / p.decode_step_s for p in prof.points),
         decode_tokens_per_s_single=max(1 / p.decode_step_s for p in single),
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -49,8 +58,12 @@ def verdicts(speeds: list[PhaseSpeeds]) -> list[str]:
     for s in speeds[1:]:
         pre = s.prefill_tokens_per_s / base.prefill_tokens_per_s
         dec = s.decode_tokens_per_s / base.decode_tokens_per_s
+        caches = {s.kv_cache_dtype, base.kv_cache_dtype}
+        differ = None not in caches and len(caches) > 1  # decode then reads different bytes
         out.append(f"{s.spec} vs {base.spec}: {_ratio_words('prefill', pre)}, "
-                   f"{_ratio_words('decode', dec)}")
+                   f"{_ratio_words('decode', dec)}"
+                   + (f" (K/V cache {s.kv_cache_dtype} vs {base.kv_cache_dtype})"
+                      if differ else ""))
     return out
 
 
@@ -58,7 +71,8 @@ def table_rows(speeds: list[PhaseSpeeds]) -> list[list[str]]:
     """Rows of the comparison table, ratios against the first target."""
     base = speeds[0]
     return [
-        [s.spec, f"{s.ttft_p50_s * 1e3:.1f} ms", f"{s.prefill_tokens_per_s:,.0f}",
+        [s.spec, s.kv_cache_dtype or "not stated", f"{s.ttft_p50_s * 1e3:.1f} ms",
+         f"{s.prefill_tokens_per_s:,.0f}",
          f"{s.prefill_tokens_per_s / base.prefill_tokens_per_s:.2f}x",
          f"{s.itl_p50_s * 1e3:.2f} ms", f"{s.decode_tokens_per_s:,.1f}",
          f"{s.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x"]
@@ -66,7 +80,7 @@ def table_rows(speeds: list[PhaseSpeeds]) -> list[list[str]]:
     ]
 
 
-TABLE_HEADER = ["target", "TTFT p50", "prefill tok/s", "prefill vs first", "ITL p50",
+TABLE_HEADER = ["target", "K/V cache", "TTFT p50", "prefill tok/s", "prefill vs first", "ITL p50",
                 "decode tok/s", "decode vs first"]
 
 

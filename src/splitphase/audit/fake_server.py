@@ -31,6 +31,7 @@ class FakeTiming:
     metrics: bool = True
     openai: bool = True
     cache_dtype: str | None = None  # stated in vLLM's cache_config_info when set
+    num_gpu_blocks: int | None = None  # likewise (16 tokens a block)
 
 
 class _State:
@@ -60,7 +61,8 @@ class _State:
             if self.timing.cache_dtype is not None:
                 lines += ["# TYPE vllm:cache_config_info gauge",
                           f'vllm:cache_config_info{{block_size="16",cache_dtype='
-                          f'"{self.timing.cache_dtype}",enable_prefix_caching="True"}} 1.0']
+                          f'"{self.timing.cache_dtype}",enable_prefix_caching="True",'
+                          f'num_gpu_blocks="{self.timing.num_gpu_blocks}"}} 1.0']
         return "\n".join(lines) + "\n"
 
 

@@ -129,7 +129,7 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
     described, kv_b = _kv_cache(opts, described, cfg)
     policies = _compare_policies(opts, described, plan, probe.traces, _context_len(target, cfg))
     result = run_steps(probe.traces, cfg, hw, hw.price_usd_per_hour, _bill(opts, plan),
-                       policies, described.get("policy"), kv_b)
+                       policies, described.get("policy"), kv_b, described.get("kv_pool_tokens"))
     doc = build_report(result, described, hw, cfg, probe)
     out = write_report(opts.out, doc, result.profile.itl_samples_s)
     return doc, out
@@ -199,7 +199,8 @@ def compare(
         max_len = min(_context_len(t, cfg) for t in opened)
         plan = plan_for(max_len, quick)
         speeds = [
-            cmp.phase_speeds(spec, profile(run_probe(t, plan, max_len, progress).traces))
+            cmp.phase_speeds(spec, profile(run_probe(t, plan, max_len, progress).traces),
+                             cmp.kv_cache_of(t.describe()))
             for spec, t in zip(targets, opened, strict=True)
         ]
     finally:

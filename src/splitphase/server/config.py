@@ -34,6 +34,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: str | None = None
     num_blocks: int | None = None  # KV pool size override (tests); None: the memory budget
+    kv_cache_bytes: int | None = None  # the K/V pool's bytes; None: a share of free memory
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     health_stall_s: float = 30.0  # /health fails when work waits and no step ended this long
@@ -56,9 +57,9 @@ class ServerConfig:
                     else ""
                 )
             )
-        for name in ("max_num_seqs", "max_body_bytes", "max_step_records"):
+        for name in ("max_num_seqs", "max_body_bytes", "max_step_records", "kv_cache_bytes"):
             value = getattr(self, name)
-            if value < 1:
+            if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_queue < 0:
             raise UserError(f"--max-queue must be >= 0, got {self.max_queue}")
@@ -97,6 +98,8 @@ class ServerConfig:
             kwargs["compile"] = tuple(self.compile)
         if self.num_blocks is not None:
             kwargs["num_blocks"] = self.num_blocks
+        if self.kv_cache_bytes is not None:
+            kwargs["kv_cache_bytes"] = self.kv_cache_bytes
         if self.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         return kwargs

@@ -96,11 +96,14 @@ def element_bytes(width: int) -> str:
 
 
 def kv_cache(doc: dict[str, Any]) -> str:
-    """", K/V cache fp8 (1 byte/element)": the width decode bytes were priced at ("" if unknown)."""
+    """", K/V cache fp8 (1 byte/element), pool 81,920 tokens": the width decode bytes were
+    priced at ("" if unknown) and the pool's size where the target states it."""
     width = doc["model"].get("kv_dtype_bytes")
     if width is None:
         return ""
     name = doc["target"].get("kv_cache_dtype")
     if name in (None, "auto"):
         name = doc["model"]["config"].get("dtype", "model dtype")
-    return f", K/V cache {name} ({element_bytes(width)})"
+    pool = doc["target"].get("kv_pool_tokens")
+    held = f", pool {pool:,} tokens" if pool else ""
+    return f", K/V cache {name} ({element_bytes(width)}){held}"

@@ -105,6 +105,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "kind": {"enum": ["builtin", "hf", "openai"]},
                 "spec": {"type": "string"},
                 "concurrent_streams": {"type": "boolean"},
+                "kv_pool_tokens": {"type": ["integer", "null"], "minimum": 1},
             },
         },
         "hardware": {

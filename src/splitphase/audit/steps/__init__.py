@@ -58,15 +58,18 @@ def run_steps(
     policy_results: Sequence[PolicyResult] = (),
     current_policy: str | None = None,
     kv_dtype_bytes: int | None = None,
+    kv_pool_tokens: int | None = None,
 ) -> AuditResult:
     """Steps 1 to 5 in order (policy_results: our engine re-run under each batching policy;
-    kv_dtype_bytes: the target's K/V cache width, None for the model's)."""
+    kv_dtype_bytes: the target's K/V cache width, None for the model's; kv_pool_tokens: the
+    tokens its K/V pool holds, None if it does not say)."""
     prof = profile(traces)
     util = utilization(prof, cfg, hw, kv_dtype_bytes)
     return AuditResult(
         profile=prof,
         bottleneck=bottleneck(util, hw),
         utilization=util,
-        optimizations=optimizations(prof, util, cfg, hw, policy_results, current_policy),
+        optimizations=optimizations(prof, util, cfg, hw, policy_results, current_policy,
+                                    kv_pool_tokens),
         cost=cost(util, price_usd_per_hour, workload),
     )

@@ -98,8 +98,11 @@ def interference(prof: Profile, util: Utilization) -> Optimization:
                         stalled, step_s, detail)
 
 
-def larger_decode_batch(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
-    """Decode tokens/s at the largest batch that fits in memory, up to the ridge point."""
+def larger_decode_batch(
+    util: Utilization, cfg: ModelConfig, hw: HardwareSpec, kv_pool_tokens: int | None = None
+) -> Optimization:
+    """Decode tokens/s at the largest batch that fits in memory, up to the ridge point; where
+    the target's K/V pool is known and holds fewer streams, the detail says so."""
     lv = util.decode.headline
     context = max(1, round(lv.context_tokens))
     weights_b = fl.param_count(cfg) * cfg.dtype_bytes
@@ -118,9 +121,21 @@ def larger_decode_batch(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -
         f"batch {batch} -> {target} streams at {context} cached tokens each (memory holds "
         f"{max(fits, 0)}): weights are read once per step for every stream, so tokens/s grow "
         f"almost linearly while decode stays memory-bound"
-    )
+    ) + _pool_note(kv_pool_tokens, context, target)
     return Optimization("larger decode batch", "decode", "projected", target > batch,
                         "decode tokens/s (all streams)", "tokens/s", lv.tokens_per_s, after, detail)
+
+
+def _pool_note(pool_tokens: int | None, context: int, target: int) -> str:
+    """What the target's configured pool holds, when it is what stops the batch short."""
+    held = None if pool_tokens is None else pool_tokens // (context + 1)
+    if held is None or held >= target:
+        return ""
+    return (
+        f"; the target's K/V pool holds {pool_tokens:,} tokens, about {held} such streams: past "
+        "that it needs a larger pool (vLLM --gpu-memory-utilization or --kv-cache-memory-bytes, "
+        "splitphase serve --kv-cache-bytes)"
+    )
 
 
 def moe_decode_top_k(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
@@ -246,6 +261,7 @@ def batching_policy(results: Sequence[PolicyResult], current: str | None) -> Opt
 def optimizations(
     prof: Profile, util: Utilization, cfg: ModelConfig, hw: HardwareSpec,
     policy_results: Sequence[PolicyResult] = (), current_policy: str | None = None,
+    kv_pool_tokens: int | None = None,
 ) -> list[Optimization]:
     """Step 4: every optimization, most promising (largest speedup) first."""
     any_measured = any(r.measured for r in policy_results)
@@ -259,7 +275,7 @@ def optimizations(
     found = [
         *by_policy,
         inter,
-        larger_decode_batch(util, cfg, hw),
+        larger_decode_batch(util, cfg, hw, kv_pool_tokens),
         moe_decode_top_k(util, cfg, hw),
         dual_flow_decode(util, cfg, hw),
         shallower_prefill(util, cfg, hw),

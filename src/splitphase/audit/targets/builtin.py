@@ -190,8 +190,16 @@ class BuiltinTarget:
             "concurrent_streams": self._engine is not None,
             "policy": self.policy if self._engine is not None else None,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_pool_tokens": self._pool_tokens(),
             "server_metrics": False,
         }
+
+    def _pool_tokens(self) -> int | None:
+        """Tokens the engine's K/V pool holds; None without one (a custom runner) or for the
+        disaggregated pair, whose decode worker holds its pool in another process."""
+        if not isinstance(self._engine, LLMEngine):
+            return None
+        return int(self._engine.scheduler.block_manager.num_blocks * self._engine.config.block_size)
 
     def model_config(self) -> ModelConfig:
         return self._model.cfg

@@ -66,9 +66,10 @@ class OpenAITarget:
         self._client = _httpx().Client(timeout=TIMEOUT_S)
         self.served_model, self.max_model_len = self._models()
         self._preflight()
-        text = self._metrics_text()  # one GET: which histograms, and the K/V cache's dtype
+        text = self._metrics_text()  # one GET: which histograms, and the K/V cache's config
         self.metrics = self._samples(text) is not None
         self.kv_cache_dtype = prometheus.cache_dtype(text) if text is not None else None
+        self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
         self._codec = TokenizerCodec(Tokenizer.default())
 
     def _get(self, path: str) -> Any:
@@ -154,6 +155,7 @@ class OpenAITarget:
             "concurrent_streams": True,
             "server_metrics": self.metrics,
             "kv_cache_dtype": self.kv_cache_dtype,  # as /metrics states it; None: not stated
+            "kv_pool_tokens": self.kv_pool_tokens,  # likewise
         }
 
     def model_config(self) -> ModelConfig:

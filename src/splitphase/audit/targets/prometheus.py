@@ -42,28 +42,48 @@ GENERATION_TOKENS = (
     "sglang:generation_tokens_total",
 )
 
-# vLLM's info metric (labels from its CacheConfig) and ours carry the K/V cache's dtype.
+# vLLM's info metric (labels from its CacheConfig) and ours carry the K/V cache's dtype and
+# block size; vLLM's also the pool's block count, ours has it in a gauge.
 CACHE_CONFIG_INFO = ("splitphase:cache_config_info", "vllm:cache_config_info")
+POOL_BLOCKS = "splitphase:kv_cache_blocks_total"
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
-_CACHE_DTYPE = re.compile(r'(?:^|[{,\s])cache_dtype="([^"]*)"')
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"]*)"')
+
+
+def _cache_config(text: str) -> dict[str, str]:
+    """The labels of the first cache_config_info sample ({} when there is none)."""
+    for line in text.splitlines():
+        if line.split("{", 1)[0].strip() in CACHE_CONFIG_INFO and "{" in line:
+            return dict(_LABEL.findall(line.split("{", 1)[1].rsplit("}", 1)[0]))
+    return {}
 
 
 def cache_dtype(text: str) -> str | None:
     """The K/V cache dtype a server's /metrics states ("auto": the model's), or None.
     vLLM's fp8 variants (fp8_inc, fp8_ds_mla, ...) all store one byte: they read as "fp8"."""
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].strip()
-        if name not in CACHE_CONFIG_INFO:
-            continue
-        match = _CACHE_DTYPE.search(line)
-        if not match:
-            continue
-        value = match.group(1)
-        if value.startswith("fp8") and value not in ("fp8_e4m3", "fp8_e5m2"):
-            return "fp8"
-        return value
-    return None
+    value = _cache_config(text).get("cache_dtype")
+    if value is not None and value.startswith("fp8") and value not in ("fp8_e4m3", "fp8_e5m2"):
+        return "fp8"
+    return value
+
+
+def _positive_int(value: str | float | None) -> int | None:
+    try:
+        number = int(float(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None  # vLLM states num_gpu_blocks="None" before its profiling run
+    return number if number > 0 else None
+
+
+def kv_pool_tokens(text: str) -> int | None:
+    """Tokens the server's K/V pool holds (blocks x block size), or None if it does not say."""
+    labels = _cache_config(text)
+    block_size = _positive_int(labels.get("block_size"))
+    blocks = _positive_int(labels.get("num_gpu_blocks"))
+    if blocks is None:
+        blocks = _positive_int(_parse_small(text).get(POOL_BLOCKS))
+    return block_size * blocks if block_size and blocks else None
 
 
 def _parse_small(text: str) -> dict[str, float]:
