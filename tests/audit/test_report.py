@@ -127,3 +127,12 @@ def test_html_opens_in_headless_chromium(doc: dict, tmp_path: Path) -> None:
     assert len(widths) == len(PLOTS) and all(w > 0 for w in widths), widths
     assert "splitphase audit" in title
 
+
+
+def test_money_keeps_three_significant_digits_below_a_dollar() -> None:
+    from splitphase.audit.report.fmt import money
+
+    cases = {0.0186: "$0.0186", 0.00556: "$0.00556", 0.1: "$0.100", 0.437: "$0.437",
+             0.0: "$0.00", 3.1: "$3.10", 1234.5: "$1,234.50", -0.02: "-$0.0200", -5.0: "-$5.00"}
+    assert {x: money(x) for x in cases} == cases
+    assert money(None) == "-"

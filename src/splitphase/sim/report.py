@@ -10,7 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from splitphase.audit.report.fmt import element_bytes
+from splitphase.audit.report.fmt import element_bytes, money
 from splitphase.audit.report.html import CSS, table_html
 from splitphase.audit.report.markdown import table_md
 from splitphase.audit.report.plots import BLUE, GREY, ORANGE, pyplot, to_png
@@ -151,7 +151,7 @@ def _row(c: dict[str, Any], rate: float) -> list[str]:
         return "" if not m else f"{m[k]['p90_s'] * 1e3:.0f} ms"
 
     def usd(m: dict[str, Any] | None, k: str) -> str:
-        return "" if not m or m.get(k) is None else f"${m[k]:.3g}"
+        return "" if not m or m.get(k) is None else money(m[k])
 
     # Latency and cost at the target rate when the configuration was sized for it, else at
     # its own goodput (one unit, fully loaded).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -51,10 +52,14 @@ def rate(x: float | None) -> str:
 
 
 def money(x: float | None) -> str:
-    """Dollars; tiny amounts keep three significant digits."""
+    """Dollars: cents from $1 up, three significant digits below ($0.0186, $0.00556, $0.100),
+    so cheap amounts a table sets side by side keep the precision that tells them apart."""
     if x is None:
         return "-"
-    return f"${x:,.2f}" if abs(x) >= 0.01 or x == 0 else f"${x:.3g}"
+    sign, x = ("-" if x < 0 else ""), abs(x)
+    if x >= 1 or x == 0:
+        return f"{sign}${x:,.2f}"
+    return f"{sign}${x:.{max(2, 2 - math.floor(math.log10(x)))}f}"
 
 
 def metric_value(value: float | None, unit: str) -> str:

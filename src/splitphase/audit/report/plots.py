@@ -6,6 +6,7 @@ import base64
 import io
 from typing import Any
 
+from splitphase.audit.report.fmt import money
 from splitphase.errors import UserError
 
 BLUE, ORANGE, GREY, RED, GREEN = "#2563eb", "#ea580c", "#6b7280", "#dc2626", "#16a34a"
@@ -124,7 +125,7 @@ def cost_bars(doc: dict[str, Any]) -> str:
                                                ("achievable", c["achievable"], GREEN))):
         bars = ax.bar([k + i * 0.38 for k in range(2)], [rates[k] for k in keys], width=0.38,
                       color=color, label=label)
-        ax.bar_label(bars, labels=[f"${rates[k]:.3g}" for k in keys], fontsize=8, padding=2)
+        ax.bar_label(bars, labels=[money(rates[k]) for k in keys], fontsize=8, padding=2)
     ax.set_xticks([0.19, 1.19], ["input tokens", "output tokens"])
     ax.set_ylabel("$ per million tokens")
     ax.set_title(f"Cost at ${c['price_usd_per_hour']:.2f}/hour")

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitphase.audit.report import fmt
+
 GAP = 0.5
 
 
 def _pct(x: float) -> str:
     return f"{x:.0%}" if x >= 0.01 else f"{x:.2%}"
-
-
-def _money(x: float) -> str:
-    return f"${x:,.2f}" if x >= 0.01 else f"${x:.2g}"
 
 
 def _verdict(phase: dict[str, Any], unit: str) -> str:
@@ -65,15 +63,15 @@ def _best_optimization(doc: dict[str, Any]) -> str | None:
 def _cost_line(doc: dict[str, Any]) -> str:
     c = doc["cost"]
     line = (
-        f"output tokens cost {_money(c['usd_per_million_output_tokens'])} per million and input "
-        f"tokens {_money(c['usd_per_million_input_tokens'])} now; at achievable utilization "
-        f"{_money(c['achievable']['usd_per_million_output_tokens'])} and "
-        f"{_money(c['achievable']['usd_per_million_input_tokens'])}"
+        f"output tokens cost {fmt.money(c['usd_per_million_output_tokens'])} per million and input "
+        f"tokens {fmt.money(c['usd_per_million_input_tokens'])} now; at achievable utilization "
+        f"{fmt.money(c['achievable']['usd_per_million_output_tokens'])} and "
+        f"{fmt.money(c['achievable']['usd_per_million_input_tokens'])}"
     )
     if c["monthly_savings_usd"] > 0:
         line += (
-            f", taking the stated workload's bill from {_money(c['monthly_usd'])} to "
-            f"{_money(c['monthly_usd_achievable'])} a month ({c['savings_fraction']:.0%} less)"
+            f", taking the stated workload's bill from {fmt.money(c['monthly_usd'])} to "
+            f"{fmt.money(c['monthly_usd_achievable'])} a month ({c['savings_fraction']:.0%} less)"
         )
     return line
 
