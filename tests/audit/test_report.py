@@ -67,6 +67,10 @@ def test_summary_is_written_from_the_numbers(doc: dict) -> None:
     assert any(f"decode uses {decode_pct} of memory bandwidth" in s.lower()
                for s in doc["summary"])
     assert any("per million" in s for s in doc["summary"])
+    decode = next(s for s in doc["summary"] if s.startswith("Decode uses"))
+    rate = doc["decode"]["tokens_per_s"]  # the headline's streams; a rate as the tables show it
+    shown = f"{rate:,.0f}" if rate >= 100 else f"{rate:,.1f}"
+    assert f"{shown} tokens/s over 4 streams" in decode and "(s)" not in decode
 
 
 def test_schema_rejects_broken_reports(doc: dict) -> None:

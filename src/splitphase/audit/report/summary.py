@@ -15,9 +15,8 @@ def _pct(x: float) -> str:
 
 def _verdict(phase: dict[str, Any], unit: str) -> str:
     if phase["utilization"] < GAP:
-        full = phase["tokens_per_s_at_full_utilization"]
-        shown = f"{full:,.0f}" if full >= 100 else f"{full:,.1f}"
-        return f": the gap software can recover (up to {shown} {unit} at full use)"
+        full = fmt.rate(phase["tokens_per_s_at_full_utilization"])
+        return f": the gap software can recover (up to {full} {unit} at full use)"
     return ": close to what the hardware allows"
 
 
@@ -39,14 +38,15 @@ def _decode_line(doc: dict[str, Any]) -> str:
         used, resource = dec["flops_utilization"], "peak FLOP/s"
     line = (
         f"decode uses {_pct(used)} of {resource} ({dec['bound']}-bound, "
-        f"{dec['tokens_per_s']:,.1f} tokens/s over {_batch(dec)} stream(s))"
+        f"{fmt.rate(dec['tokens_per_s'])} tokens/s over {_streams(dec)})"
     )
     return line + _verdict(dec, "tokens/s")
 
 
-def _batch(phase: dict[str, Any]) -> str:
+def _streams(phase: dict[str, Any]) -> str:
     head = next(lv for lv in phase["levels"] if lv["point"] == phase["headline_point"])
-    return f"{head['batch']:.0f}"
+    batch = f"{head['batch']:.0f}"
+    return f"{batch} stream" + ("" if batch == "1" else "s")
 
 
 def _best_optimization(doc: dict[str, Any]) -> str | None:
