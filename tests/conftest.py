@@ -86,3 +86,37 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture()
+def render_page() -> Callable[[Path], dict[str, Any]]:
+    """Open an HTML file in headless Chromium at a laptop's width (1200 px): its title, each
+    image's natural width (0: not decoded) and each table wrapper's (scroll, client) widths.
+    Skips without Chromium or Playwright."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+
+    def render(path: Path) -> dict[str, Any]:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            try:
+                page = browser.new_page(viewport={"width": 1200, "height": 900})
+                page.goto(path.resolve().as_uri())
+                page.wait_for_load_state("load")
+                return {
+                    "title": page.title(),
+                    "images": page.evaluate(
+                        "Array.from(document.images).map(i => i.complete ? i.naturalWidth : 0)"),
+                    "tables": page.evaluate("Array.from(document.querySelectorAll("
+                                            "'.table-wrap')).map(e => [e.scrollWidth, "
+                                            "e.clientWidth])"),
+                }
+            finally:
+                browser.close()
+
+    return render

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +72,14 @@ def test_an_fp8_kv_cache_gives_every_replica_twice_the_blocks(tmp_path: Path) ->
     doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert doc["kv_dtype_bytes"] == 1
     assert "K/V cache 1 byte/element" in (tmp_path / "plan" / "plan.html").read_text()
+
+
+def test_the_plan_page_fits_a_laptop_screen(
+    tmp_path: Path, render_page: Callable[[Path], dict[str, Any]]
+) -> None:
+    # Every column, costs included, is visible without scrolling sideways at 1200 px.
+    assert main(_args(tmp_path, **{"--max-gpus": "4"}) + ["--quick"]) == 0
+    page = render_page(tmp_path / "plan" / "plan.html")
+    assert page["images"] and all(w > 0 for w in page["images"]), page
+    assert len(page["tables"]) == 2
+    assert all(scroll <= client for scroll, client in page["tables"]), page["tables"]

@@ -220,8 +220,9 @@ def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate])
         f'workload {escape(str(wl["name"]))} at {doc["rate_per_s"]:g} req/s; SLOs TTFT '
         f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s{_kv_note(doc)}</div></header>'
         f'<div class="summary"><ul>{summary}</ul></div><section>{imgs}'
-        f'<h2>Goodput frontier</h2>{table_html(front_header, front)}'
-        f'<h2>Every configuration</h2>{table_html(TABLE_HEADER, rows)}</section></main>'
+        f'<h2>Goodput frontier</h2>{table_html(front_header, front, wide_cols=(1,))}'
+        f'<h2>Every configuration</h2>{table_html(TABLE_HEADER, rows, wide_cols=(0,))}'
+        '</section></main>'
         '</body></html>'
     )
     md = ("# splitphase plan\n\n" + "".join(f"- {s}\n" for s in doc["summary"])
