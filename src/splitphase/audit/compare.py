@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from splitphase.audit.report import fmt
 from splitphase.audit.steps import Profile
 
 
@@ -72,9 +73,9 @@ def table_rows(speeds: list[PhaseSpeeds]) -> list[list[str]]:
     base = speeds[0]
     return [
         [s.spec, s.kv_cache_dtype or "not stated", f"{s.ttft_p50_s * 1e3:.1f} ms",
-         f"{s.prefill_tokens_per_s:,.0f}",
+         fmt.rate(s.prefill_tokens_per_s),
          f"{s.prefill_tokens_per_s / base.prefill_tokens_per_s:.2f}x",
-         f"{s.itl_p50_s * 1e3:.2f} ms", f"{s.decode_tokens_per_s:,.1f}",
+         f"{s.itl_p50_s * 1e3:.2f} ms", fmt.rate(s.decode_tokens_per_s),
          f"{s.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x"]
         for s in speeds
     ]
