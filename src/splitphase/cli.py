@@ -94,6 +94,10 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
         max_queue=args.max_queue,
         hardware=args.hardware,
         device=args.device,
@@ -121,6 +125,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set "
                     "$SPLITPHASE_API_KEY, which keeps it out of the process list)")
     sv.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="tokens one step may carry (chunked: the prefill chunk budget)")
+    sv.add_argument("--block-size", type=int, default=16, help="tokens per K/V cache block")
+    sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=True, help="reuse the K/V blocks of a prompt prefix seen before")
+    sv.add_argument("--seed", type=int, default=0,
+                    help="sampling seed of requests that give none")
     sv.add_argument("--max-queue", type=int, default=1024,
                     help="sequences waiting beyond the batch before 429")
     sv.add_argument("--hardware", help="peaks for the utilization gauges (default: cpu "

@@ -13,11 +13,11 @@ from splitphase.server.process import ServerProcess
 
 
 def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:
-    # A bf16 pool of 512 KiB under the fp32 model: the audit learns its width and size from
-    # /metrics.
+    # A bf16 pool of 515 kB in blocks of 8 tokens under the fp32 model: the audit learns its
+    # width and size from /metrics (blocks of 16 would hold 2,000 tokens, not 2,008).
     server = ServerProcess(["--model", str(tiny_ckpt), "--hardware", "h100",
-                            "--kv-cache-dtype", "bfloat16", "--kv-cache-bytes", "512KiB"],
-                           env={"OMP_NUM_THREADS": "1"})
+                            "--kv-cache-dtype", "bfloat16", "--kv-cache-bytes", "515k",
+                            "--block-size", "8"], env={"OMP_NUM_THREADS": "1"})
     with server as url:
         code = main(["audit", "--target", f"openai:{url}", "--model-config", str(tiny_ckpt),
                      "--hardware", "cpu", "--quick", "--out", str(tmp_path), "--no-progress"])
@@ -29,6 +29,6 @@ def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert doc["target"]["kv_cache_dtype"] == "bfloat16"
     assert doc["target"]["kv_cache_dtype_source"] == "target"
     assert doc["model"]["kv_dtype_bytes"] == 2 and doc["model"]["config"]["dtype"] == "float32"
-    blocks = 512 * 1024 // kv_bytes_per_block(read_config(tiny_ckpt)[0], 16, 2)
-    assert doc["target"]["kv_pool_tokens"] == blocks * 16
-    assert f"pool {blocks * 16:,} tokens" in (tmp_path / "report.md").read_text()
+    blocks = 515_000 // kv_bytes_per_block(read_config(tiny_ckpt)[0], 8, 2)
+    assert doc["target"]["kv_pool_tokens"] == blocks * 8 == 2008
+    assert "pool 2,008 tokens" in (tmp_path / "report.md").read_text()

@@ -79,6 +79,18 @@ def test_greedy_matches_reference(
     engine.scheduler.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_any_block_size_matches_reference(tiny_model, tokenizer, reference, block_size):
+    # The paged kernels read the block size from the pool: blocks of one token, or ones a
+    # prompt only partly fills, give the same tokens as the default 16.
+    cfg = EngineConfig(policy="chunked", block_size=block_size, num_blocks=3200 // block_size,
+                       max_num_batched_tokens=64, max_num_seqs=8)
+    engine = LLMEngine(tiny_model, tokenizer, cfg)
+    assert [o.token_ids for o in _run(engine, PROMPTS)] == reference
+    assert engine.cache.block_size == block_size
+    engine.scheduler.block_manager.check_invariants()
+
+
 def test_shared_prefix_reuses_blocks_and_matches(tiny_model, tokenizer):
     prefix = list(range(10, 50))  # 40 tokens: two full blocks of 16 are shareable
     prompts = [[0, *prefix, 7], [0, *prefix, 8, 9]]

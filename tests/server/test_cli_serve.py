@@ -107,3 +107,25 @@ def test_kv_cache_bytes_takes_units_and_reaches_the_engine() -> None:
     assert "kv_cache_bytes" not in ServerConfig().engine_kwargs()
     with pytest.raises(ValueError, match="kv-cache-bytes must be >= 1"):
         ServerConfig(kv_cache_bytes=0)
+
+
+def test_engine_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import splitphase.commands.serve as serve_command
+    from splitphase.cli import main
+    from splitphase.engine.config import EngineConfig
+
+    seen: list[ServerConfig] = []
+    monkeypatch.setattr(serve_command, "serve", lambda config, *a, **k: seen.append(config))
+    assert main(["serve", "--max-num-batched-tokens", "512", "--block-size", "8",
+                 "--no-enable-prefix-caching", "--seed", "7", "--kv-cache-bytes", "1M"]) == 0
+    engine = EngineConfig(**seen[0].engine_kwargs())
+    assert (engine.max_num_batched_tokens, engine.block_size, engine.enable_prefix_caching,
+            engine.seed, engine.kv_cache_bytes) == (512, 8, False, 7, 10**6)
+    defaults = EngineConfig(**ServerConfig().engine_kwargs())
+    assert (defaults.max_num_batched_tokens, defaults.block_size,
+            defaults.enable_prefix_caching) == (2048, 16, True)
+    for bad in ({"block_size": 0}, {"max_num_batched_tokens": 0}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            ServerConfig(**bad)
+    _one_line(_serve("--max-num-batched-tokens", "8", "--port", "0"),
+              "--max-num-batched-tokens (8) must be >= --max-num-seqs (64)")

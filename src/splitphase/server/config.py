@@ -29,6 +29,10 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` id clients send; default: `model`
     api_key: str | None = None
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # tokens a step may carry: the chunked prefill budget
+    block_size: int = 16  # tokens per K/V block
+    enable_prefix_caching: bool = True
+    seed: int = 0  # of sampling for requests that give no seed
     max_queue: int = 1024  # sequences waiting beyond max_num_seqs before 429
     hardware: str | None = None  # peaks for the utilization gauges; None: cpu on CPU, else guess
     device: str = "auto"
@@ -57,10 +61,15 @@ class ServerConfig:
                     else ""
                 )
             )
-        for name in ("max_num_seqs", "max_body_bytes", "max_step_records", "kv_cache_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_body_bytes",
+                     "max_step_records", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                            f"--max-num-seqs ({self.max_num_seqs}): every running sequence "
+                            "decodes in the same step")
         if self.max_queue < 0:
             raise UserError(f"--max-queue must be >= 0, got {self.max_queue}")
         for name in ("shutdown_timeout_s", "health_stall_s", "utilization_window_s"):
@@ -93,7 +102,11 @@ class ServerConfig:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """EngineConfig fields for `LLM(...)`."""
-        kwargs: dict[str, Any] = {"policy": self.policy, "max_num_seqs": self.max_num_seqs}
+        kwargs: dict[str, Any] = {
+            "policy": self.policy, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching, "seed": self.seed,
+        }
         if self.compile:
             kwargs["compile"] = tuple(self.compile)
         if self.num_blocks is not None:
