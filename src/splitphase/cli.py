@@ -108,6 +108,7 @@ def _serve(args: argparse.Namespace) -> None:
         compile=tuple(p for p in (args.compile or "").split(",") if p),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_bytes=args.kv_cache_bytes,
+        max_model_len=args.max_model_len,
     )
     serve(config, args.host, args.port, args.log_level)
 
@@ -128,6 +129,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="tokens one step may carry (chunked: the prefill chunk budget)")
     sv.add_argument("--block-size", type=int, default=16, help="tokens per K/V cache block")
+    sv.add_argument("--max-model-len", type=int, help="longest prompt plus output a request "
+                    "may have (default: the model's max_seq_len, or what the pool holds)")
     sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=True, help="reuse the K/V blocks of a prompt prefix seen before")
     sv.add_argument("--seed", type=int, default=0,

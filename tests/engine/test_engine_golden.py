@@ -225,6 +225,25 @@ def test_prompt_over_context_is_a_clear_error(tiny_model, tokenizer):
     assert not engine.has_unfinished_requests()
 
 
+def test_max_model_len_caps_requests_and_is_refused_past_the_engine(tiny_model, tokenizer):
+    engine = LLMEngine(tiny_model, tokenizer, EngineConfig(num_blocks=64, max_model_len=100))
+    assert engine.max_model_len == 100  # the model allows 256, the pool 1,024
+    with pytest.raises(UserError, match="exceeds the context length"):
+        engine.add_request([1] * 95, SamplingParams(max_tokens=10))
+    engine.add_request([1] * 90, SamplingParams(max_tokens=10))
+    for config, fragment in (
+        (EngineConfig(num_blocks=64, max_model_len=300), "the model's max_seq_len, 256: lower"),
+        (EngineConfig(num_blocks=8, max_model_len=200), "the K/V pool's tokens, 128: lower it, "
+                                                        "or grow the pool"),
+        (EngineConfig(policy="mixed", num_blocks=64, max_num_batched_tokens=64,
+                      max_model_len=200), "max_num_batched_tokens"),
+    ):
+        with pytest.raises(UserError, match=fragment):
+            LLMEngine(tiny_model, tokenizer, config)
+    with pytest.raises(UserError, match="max_model_len must be >= 1"):
+        EngineConfig(max_model_len=0)
+
+
 @pytest.fixture(scope="module")
 def dual_flow_model(tokenizer):
     from splitphase.model.config import ModelConfig

@@ -117,10 +117,12 @@ def test_engine_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
     seen: list[ServerConfig] = []
     monkeypatch.setattr(serve_command, "serve", lambda config, *a, **k: seen.append(config))
     assert main(["serve", "--max-num-batched-tokens", "512", "--block-size", "8",
-                 "--no-enable-prefix-caching", "--seed", "7", "--kv-cache-bytes", "1M"]) == 0
+                 "--no-enable-prefix-caching", "--seed", "7", "--kv-cache-bytes", "1M",
+                 "--max-model-len", "200"]) == 0
     engine = EngineConfig(**seen[0].engine_kwargs())
     assert (engine.max_num_batched_tokens, engine.block_size, engine.enable_prefix_caching,
-            engine.seed, engine.kv_cache_bytes) == (512, 8, False, 7, 10**6)
+            engine.seed, engine.kv_cache_bytes, engine.max_model_len) == (512, 8, False, 7,
+                                                                          10**6, 200)
     defaults = EngineConfig(**ServerConfig().engine_kwargs())
     assert (defaults.max_num_batched_tokens, defaults.block_size,
             defaults.enable_prefix_caching) == (2048, 16, True)
@@ -129,3 +131,5 @@ def test_engine_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
             ServerConfig(**bad)
     _one_line(_serve("--max-num-batched-tokens", "8", "--port", "0"),
               "--max-num-batched-tokens (8) must be >= --max-num-seqs (64)")
+    _one_line(_serve("--max-model-len", "100000", "--port", "0"),  # from the engine process
+              "max_model_len 100000 is more than the model's max_seq_len")

@@ -39,6 +39,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # explicit budget; else kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.25
     num_blocks: int | None = None  # overrides the byte budget (tests)
+    max_model_len: int | None = None  # longest prompt + output; None: what model and pool allow
     seed: int = 0
     # Phases whose model passes run through torch.compile (process-wide once the engine is
     # built; splitphase.model.compiled): (), ("prefill",), ("decode",) or both.
@@ -71,3 +72,5 @@ class EngineConfig:
             raise UserError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise UserError(f"max_model_len must be >= 1, got {self.max_model_len}")

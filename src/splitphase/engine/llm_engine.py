@@ -142,9 +142,20 @@ class LLMEngine:
 
     def _max_model_len(self, num_blocks: int) -> int:
         cfg = self.config
-        limit = min(self.model.cfg.max_seq_len, num_blocks * cfg.block_size)
         # `mixed` runs every prompt whole, so no sequence may outgrow one step's token budget.
-        return min(limit, cfg.max_num_batched_tokens) if cfg.policy == "mixed" else limit
+        limits = {"the model's max_seq_len": self.model.cfg.max_seq_len,
+                  "the K/V pool's tokens": num_blocks * cfg.block_size}
+        if cfg.policy == "mixed":
+            limits["max_num_batched_tokens (the mixed policy prefills whole)"] = (
+                cfg.max_num_batched_tokens)
+        if cfg.max_model_len is None:
+            return min(limits.values())
+        over = {k: v for k, v in limits.items() if v < cfg.max_model_len}
+        if over:  # as vLLM: an explicit length the engine cannot serve is refused, not cut
+            what, most = min(over.items(), key=lambda kv: kv[1])
+            fix = "lower it, or grow the pool (--kv-cache-bytes)" if "pool" in what else "lower it"
+            raise UserError(f"max_model_len {cfg.max_model_len} is more than {what}, {most}: {fix}")
+        return cfg.max_model_len
 
     @property
     def max_model_len(self) -> int:

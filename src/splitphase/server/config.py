@@ -39,6 +39,7 @@ class ServerConfig:
     dtype: str | None = None
     num_blocks: int | None = None  # KV pool size override (tests); None: the memory budget
     kv_cache_bytes: int | None = None  # the K/V pool's bytes; None: a share of free memory
+    max_model_len: int | None = None  # longest prompt + output; None: what model and pool allow
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     health_stall_s: float = 30.0  # /health fails when work waits and no step ended this long
@@ -62,7 +63,7 @@ class ServerConfig:
                 )
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_body_bytes",
-                     "max_step_records", "kv_cache_bytes"):
+                     "max_step_records", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -111,8 +112,9 @@ class ServerConfig:
             kwargs["compile"] = tuple(self.compile)
         if self.num_blocks is not None:
             kwargs["num_blocks"] = self.num_blocks
-        if self.kv_cache_bytes is not None:
-            kwargs["kv_cache_bytes"] = self.kv_cache_bytes
+        for name in ("kv_cache_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
         if self.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         return kwargs
