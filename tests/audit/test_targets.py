@@ -229,6 +229,9 @@ def test_prometheus_pool_tokens_from_vllm_and_ours() -> None:
     no_size = ours.replace('block_size="16",', "")  # a disaggregated pair states no size
     assert prometheus.kv_pool_tokens(no_size) is None and prometheus.cache_dtype(no_size)
     assert prometheus.kv_pool_tokens(METRICS) is None
+    sglang = ('sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 161721.0\n'
+              'sglang:max_total_num_tokens{model_name="m",tp_rank="1"} 161721.0\n')
+    assert prometheus.kv_pool_tokens(METRICS + sglang) == 161721  # per rank, not summed
 
 
 def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:

@@ -134,7 +134,7 @@ def _pool_note(pool_tokens: int | None, context: int, target: int) -> str:
     return (
         f"; the target's K/V pool holds {pool_tokens:,} tokens, about {held} such streams: past "
         "that it needs a larger pool (vLLM --gpu-memory-utilization or --kv-cache-memory-bytes, "
-        "splitphase serve --kv-cache-bytes)"
+        "SGLang --mem-fraction-static, splitphase serve --kv-cache-bytes)"
     )
 
 

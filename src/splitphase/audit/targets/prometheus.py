@@ -43,9 +43,11 @@ GENERATION_TOKENS = (
 )
 
 # vLLM's info metric (labels from its CacheConfig) and ours carry the K/V cache's dtype and
-# block size; vLLM's also the pool's block count, ours has it in a gauge.
+# block size; vLLM's also the pool's block count, ours has it in a gauge. SGLang states the
+# pool's tokens in a gauge, once per tensor-parallel rank (each holds every token's share).
 CACHE_CONFIG_INFO = ("splitphase:cache_config_info", "vllm:cache_config_info")
 POOL_BLOCKS = "splitphase:kv_cache_blocks_total"
+POOL_TOKENS = "sglang:max_total_num_tokens"
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"]*)"')
@@ -80,10 +82,23 @@ def kv_pool_tokens(text: str) -> int | None:
     """Tokens the server's K/V pool holds (blocks x block size), or None if it does not say."""
     labels = _cache_config(text)
     block_size = _positive_int(labels.get("block_size"))
-    blocks = _positive_int(labels.get("num_gpu_blocks"))
-    if blocks is None:
-        blocks = _positive_int(_parse_small(text).get(POOL_BLOCKS))
-    return block_size * blocks if block_size and blocks else None
+    blocks = _positive_int(labels.get("num_gpu_blocks")) or _positive_int(_gauge(text, POOL_BLOCKS))
+    if block_size and blocks:
+        return block_size * blocks
+    return _positive_int(_gauge(text, POOL_TOKENS))
+
+
+def _gauge(text: str, name: str) -> float | None:
+    """The largest sample of one metric over its label sets (ranks state the same pool)."""
+    values = []
+    for line in text.splitlines():
+        match = _LINE.match(line.strip())
+        if match and match.group(1) == name:
+            try:
+                values.append(float(match.group(3)))
+            except ValueError:
+                continue
+    return max(values, default=None)
 
 
 def _parse_small(text: str) -> dict[str, float]:
