@@ -155,6 +155,23 @@ def test_openai_audit_prices_decode_at_the_servers_kv_cache_width(tmp_path: Path
     assert not kv_rows["stated"]["applicable"] and kv_rows["declared"]["applicable"]
 
 
+def test_preemptions_during_the_probe_are_a_warning(tmp_path: Path) -> None:
+    docs = {}
+    for name, per_request in (("preempting", 1), ("quiet", 0)):
+        with FakeOpenAIServer(FakeTiming(preemptions_per_request=per_request)) as url:
+            assert main(["audit", "--target", f"openai:{url}", "--quick",
+                         "--out", str(tmp_path / name), *OPENAI_ARGS]) == 0
+        docs[name] = json.loads((tmp_path / name / "report.json").read_text())
+        validate_report(docs[name])
+    probed = docs["preempting"]["probe"]
+    assert docs["preempting"]["target"]["preemptions"] > 0 and docs["quiet"]["target"][
+        "preemptions"] == 0
+    warned = [w for w in docs["preempting"]["warnings"] if "preempted requests" in w]
+    assert warned and f"{docs['preempting']['target']['preemptions']} times" in warned[0], probed
+    assert not any("preempted" in w for w in docs["quiet"]["warnings"])
+    assert "K/V pool ran out" in (tmp_path / "preempting" / "report.md").read_text()
+
+
 def test_a_cache_dtype_the_audit_cannot_price_falls_back_to_the_model(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

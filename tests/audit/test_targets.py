@@ -243,6 +243,21 @@ def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:
             target.close()
 
 
+def test_builtin_counts_the_preemptions_of_a_pool_too_small(tiny_ckpt: Path) -> None:
+    from splitphase.engine.config import EngineConfig
+    from splitphase.engine.llm_engine import LLMEngine
+
+    target = BuiltinTarget(str(tiny_ckpt))
+    assert target.describe()["preemptions"] == 0
+    # Four 40-token prompts that each grow to 72 tokens (5 blocks) in a pool of 8 blocks.
+    target._engine = LLMEngine(target._model, target._tok,
+                               EngineConfig(num_blocks=8, max_num_batched_tokens=256))
+    traces = target.run(_requests(target, 40, 4, 32, 4), concurrency=4)
+    for t in traces:
+        _check_timeline(t, 32)
+    assert sum(t.preemptions for t in traces) == target.describe()["preemptions"] > 0
+
+
 def test_builtin_stores_its_pool_in_the_given_dtype(tiny_ckpt: Path) -> None:
     target = BuiltinTarget(str(tiny_ckpt), kv_cache_dtype="fp8")
     try:

@@ -181,3 +181,12 @@ def test_metrics_parse_and_histograms_count_finished_requests(server: ServerProc
     assert prometheus.cache_dtype(text) == "float32"
     pool = prometheus.kv_pool_tokens(text)  # blocks x block_size, as vLLM's info states it
     assert pool == 16 * after["splitphase:kv_cache_blocks_total"]
+    # The same 40-token prompt again: its two full blocks come from the prefix cache.
+    prompt = list(range(100, 140))
+    for _ in range(2):
+        assert _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).is_success
+    again = _metrics(server)
+    looked_up, found = (again[f"splitphase:prefix_cache_{k}_total"]
+                        - after[f"splitphase:prefix_cache_{k}_total"] for k in ("queries", "hits"))
+    assert looked_up == 80 and found == 32
+    assert again["splitphase:num_preemptions_total"] == 0

@@ -32,6 +32,7 @@ class FakeTiming:
     openai: bool = True
     cache_dtype: str | None = None  # stated in vLLM's cache_config_info when set
     num_gpu_blocks: int | None = None  # likewise (16 tokens a block)
+    preemptions_per_request: int = 0  # counted in vllm:num_preemptions_total as each finishes
 
 
 class _State:
@@ -41,6 +42,7 @@ class _State:
         self.device_free_s = 0.0  # perf_counter time when the running prefill ends
         self.hist: dict[str, list[float]] = {}  # name -> [sum, count]
         self.generated = 0.0
+        self.preemptions = 0
 
     def observe(self, name: str, value_s: float) -> None:
         with self.lock:
@@ -57,7 +59,9 @@ class _State:
                           f'{name}_sum{{model_name="fake"}} {total}',
                           f'{name}_count{{model_name="fake"}} {count}']
             lines += ["# TYPE vllm:generation_tokens counter",
-                      f'vllm:generation_tokens_total{{model_name="fake"}} {self.generated}']
+                      f'vllm:generation_tokens_total{{model_name="fake"}} {self.generated}',
+                      "# TYPE vllm:num_preemptions counter",
+                      f'vllm:num_preemptions_total{{model_name="fake"}} {self.preemptions}']
             if self.timing.cache_dtype is not None:
                 lines += ["# TYPE vllm:cache_config_info gauge",
                           f'vllm:cache_config_info{{block_size="16",cache_dtype='
@@ -143,13 +147,14 @@ def _stream(handler: BaseHTTPRequestHandler, state: _State, body: dict[str, Any]
             _event(handler, {**chunk, "choices": [{"index": 0, "text": "tok ",
                                                     "finish_reason": last}]})
     end_s = time.perf_counter()
+    with state.lock:  # counted before the histograms a scraper waits on
+        state.generated += n
+        state.preemptions += timing.preemptions_per_request
     for name, value in (("vllm:request_queue_time_seconds", start_s - arrive_s),
                         ("vllm:request_prefill_time_seconds", prefill_s),
                         ("vllm:time_to_first_token_seconds", first_s - arrive_s),
                         ("vllm:request_decode_time_seconds", end_s - first_s)):
         state.observe(name, value)
-    with state.lock:
-        state.generated += n
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
              "total_tokens": prompt_tokens + n}
     _event(handler, {**chunk, "choices": [], "usage": usage})

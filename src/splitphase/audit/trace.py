@@ -48,6 +48,7 @@ class RequestTrace:
     server_queue_s: float | None = None
     server_prefill_s: float | None = None
     server_itl_s: float | None = None  # mean decode step time per token, server side
+    preemptions: int = 0  # times its K/V was taken back (where the runner sees it)
 
     @property
     def ok(self) -> bool:

@@ -15,6 +15,10 @@ Names mirror vLLM's, so a vLLM dashboard ports by replacing the `vllm:` prefix w
     vllm:generation_tokens_total         -> splitphase:generation_tokens_total
     vllm:request_success_total{finished_reason}
                                          -> splitphase:request_success_total{finished_reason}
+    vllm:num_preemptions_total           -> splitphase:num_preemptions_total
+    vllm:prefix_cache_queries_total / _hits_total
+                                         -> splitphase:prefix_cache_queries_total / _hits_total
+                                            (tokens; all three counted as requests finish)
     vllm:num_requests_running / _waiting -> splitphase:num_requests_running / _waiting
     vllm:kv_cache_usage_perc             -> splitphase:kv_cache_usage_perc (0..1), plus
                                             splitphase:kv_cache_blocks_used / _total
@@ -138,6 +142,14 @@ class ServerMetrics:
                                      registry=self.registry).labels(model_name)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", lab,
                                          registry=self.registry).labels(model_name)
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions: a request's K/V blocks "
+                                   "taken back for others; it recomputes them later.", lab,
+                                   registry=self.registry).labels(model_name)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Tokens looked up in the "
+                                      "prefix cache (each request's latest prefill).", lab,
+                                      registry=self.registry).labels(model_name)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens found in the prefix cache.",
+                                   lab, registry=self.registry).labels(model_name)
         self._success = Counter(p + "request_success", "Finished requests by reason.",
                                 [*lab, "finished_reason"], registry=self.registry)
         self.running = gauge(p + "num_requests_running", "Sequences in the running batch.")
@@ -171,6 +183,12 @@ class ServerMetrics:
         self.e2e.observe(max(0.0, e2e_s))
         if request is None:
             return
+        # Counted when a request finishes (vLLM counts as they happen): a scrape's totals lag
+        # by the requests still running.
+        self.preemptions.inc(request.num_preemptions)
+        if request.use_prefix_cache:
+            self.prefix_queries.inc(request.prefill_len)
+            self.prefix_hits.inc(min(request.num_cached_tokens, request.prefill_len))
         for hist, value in ((self.queue, request.queue_s), (self.prefill, request.prefill_s),
                             (self.ttft, request.ttft_s), (self.decode, request.decode_s),
                             (self.tpot, request.tpot_s)):

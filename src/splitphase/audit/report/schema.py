@@ -106,6 +106,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "spec": {"type": "string"},
                 "concurrent_streams": {"type": "boolean"},
                 "kv_pool_tokens": {"type": ["integer", "null"], "minimum": 1},
+                "preemptions": {"type": ["integer", "null"], "minimum": 0},
             },
         },
         "hardware": {

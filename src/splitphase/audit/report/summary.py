@@ -106,4 +106,12 @@ def warnings_for(doc: dict[str, Any]) -> list[str]:
                     "the served model."
                 )
                 break
+    preempted = doc["target"].get("preemptions")
+    if preempted:
+        out.append(
+            f"Warning: the target preempted requests {preempted} "
+            f"time{'' if preempted == 1 else 's'} during the probe: its "
+            "K/V pool ran out, so those requests computed their tokens again and the latencies "
+            "include it; give it a larger pool or audit at a lower concurrency."
+        )
     return out

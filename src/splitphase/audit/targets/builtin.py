@@ -105,6 +105,7 @@ def _record(trace: RequestTrace, out: RequestOutput, now_s: float) -> None:
         req = out.request
         if req is not None:
             trace.server_queue_s, trace.server_prefill_s = req.queue_s, req.prefill_s
+            trace.preemptions = req.num_preemptions
         if out.finish_reason in ("error", "abort"):
             trace.error = f"finished with {out.finish_reason}"
 
@@ -177,6 +178,7 @@ class BuiltinTarget:
         use_pool = runner is None and kv_cache_dtype != "auto"
         self.kv_cache_dtype = kv_cache_dtype if use_pool else self._model.cfg.dtype
         self._runner_name = "custom" if runner else f"engine (policy {policy})"
+        self._preemptions = 0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -191,6 +193,7 @@ class BuiltinTarget:
             "policy": self.policy if self._engine is not None else None,
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_pool_tokens": self._pool_tokens(),
+            "preemptions": self._preemptions if self._engine is not None else None,
             "server_metrics": False,
         }
 
@@ -209,7 +212,9 @@ class BuiltinTarget:
 
     def run(self, requests: Sequence[ProbeRequest], concurrency: int) -> list[RequestTrace]:
         if self._engine is not None:
-            return run_on_engine(self._engine, requests, concurrency)
+            traces = run_on_engine(self._engine, requests, concurrency)
+            self._preemptions += sum(t.preemptions for t in traces)
+            return traces
         assert self._runner is not None
         return run_batched(self._runner, requests, concurrency)
 

@@ -70,6 +70,7 @@ class OpenAITarget:
         self.metrics = self._samples(text) is not None
         self.kv_cache_dtype = prometheus.cache_dtype(text) if text is not None else None
         self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
+        self.preemptions: int | None = None  # over the probe, where the server counts them
         self._codec = TokenizerCodec(Tokenizer.default())
 
     def _get(self, path: str) -> Any:
@@ -156,6 +157,7 @@ class OpenAITarget:
             "server_metrics": self.metrics,
             "kv_cache_dtype": self.kv_cache_dtype,  # as /metrics states it; None: not stated
             "kv_pool_tokens": self.kv_pool_tokens,  # likewise
+            "preemptions": self.preemptions,
         }
 
     def model_config(self) -> ModelConfig:
@@ -189,6 +191,9 @@ class OpenAITarget:
             after = self._scrape()
         if after is None:
             return
+        preempted = prometheus.preemptions(before, after)
+        if preempted is not None:
+            self.preemptions = (self.preemptions or 0) + preempted
         means = prometheus.phase_means_s(before, after)
         for t in traces:
             t.server_queue_s = means.get("queue")

@@ -36,6 +36,12 @@ PHASE_METRICS: dict[str, tuple[str, ...]] = {
         "sglang:time_per_output_token_seconds",
     ),
 }
+# Requests whose K/V blocks were taken back for others (SGLang: "retracted").
+PREEMPTIONS = (
+    "splitphase:num_preemptions_total",
+    "vllm:num_preemptions_total",
+    "sglang:num_retracted_requests_total",
+)
 GENERATION_TOKENS = (
     "splitphase:generation_tokens_total",
     "vllm:generation_tokens_total",
@@ -173,6 +179,14 @@ def _decode_per_token(
             if steps > 0:
                 means["itl"] = _delta(before, after, f"{name}_sum") / steps
                 return
+
+
+def preemptions(before: dict[str, float], after: dict[str, float]) -> int | None:
+    """Preemptions between two scrapes; None when the server does not count them."""
+    for name in PREEMPTIONS:
+        if name in after:
+            return max(0, round(after[name] - before.get(name, 0.0)))
+    return None
 
 
 def observations(before: dict[str, float], after: dict[str, float]) -> int:
