@@ -131,6 +131,10 @@ def test_greedy_matches_mixed(pair, mixed):
 def test_seeded_sampling_matches_mixed(pair, mixed):
     outs = run(pair, PROMPTS, SEEDED)
     assert [o.token_ids for o in outs] == [o.token_ids for o in mixed(PROMPTS, SEEDED)]
+    # The workers' admissions reach the front end: the 41-token prompt, prefilled before by
+    # the test above, finds its two full blocks in the prefill worker's prefix cache.
+    longest = outs[2].request
+    assert longest.prefill_len == 41 and 32 <= longest.num_cached_tokens <= 40
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "kv_bytes"), [("bfloat16", 2), ("fp8", 1)])

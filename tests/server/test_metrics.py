@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitphase.engine.llm_engine import StepRecord
 from splitphase.engine.request import Request
 from splitphase.server.metrics import ServerMetrics
 
@@ -30,3 +31,22 @@ def test_preemptions_and_prefix_cache_tokens_count_as_requests_finish() -> None:
     assert _samples(metrics) == {"splitphase:num_preemptions_total": 2.0,
                                  "splitphase:prefix_cache_queries_total": 48.0,
                                  "splitphase:prefix_cache_hits_total": 32.0}
+
+
+def test_step_and_request_token_histograms() -> None:
+    metrics = ServerMetrics("m", None, "float32")
+    metrics.on_steps([StepRecord(0, "prefill", 300, 0, 0.1, 1.0, 1.0),
+                      StepRecord(1, "mixed", 40, 6, 0.1, 1.0, 1.0),
+                      StepRecord(2, "decode", 0, 6, 0.1, 1.0, 1.0)])
+    request = Request("a", list(range(1, 41)), output_token_ids=[7] * 12)
+    metrics.observe_finished("length", request, 1.0)
+    text = metrics.render().decode()
+    hists = {s.name + str(s.labels.get("le", "")): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples}
+    assert hists["splitphase:iteration_tokens_total_count"] == 3
+    assert hists["splitphase:iteration_tokens_total_sum"] == 300 + 46 + 6
+    assert hists["splitphase:iteration_tokens_total_bucket8.0"] == 1  # the decode step's 6
+    assert hists["splitphase:iteration_tokens_total_bucket64.0"] == 2
+    assert hists["splitphase:request_prompt_tokens_sum"] == 40
+    assert hists["splitphase:request_generation_tokens_sum"] == 12
+    assert hists["splitphase:request_generation_tokens_bucket20.0"] == 1

@@ -157,6 +157,8 @@ def _merge(live: Live, rec: OutputRecord) -> None:
     if req.first_scheduled_s is None and rec.first_scheduled_offset_s is not None:
         req.first_scheduled_s = arrival + rec.first_scheduled_offset_s
     req.num_preemptions = max(req.num_preemptions, rec.num_preemptions)
+    if rec.prefill_len:  # the front end never admits it: the workers' admissions count
+        req.prefill_len, req.num_cached_tokens = rec.prefill_len, rec.num_cached_tokens
     if rec.new_logprobs:
         live.logprobs[end - len(rec.new_logprobs) : end] = rec.new_logprobs
     if rec.prompt_logprobs is not None:

@@ -76,6 +76,8 @@ def make_record(out: RequestOutput, sent: int) -> OutputRecord:
         None if scheduled is None else scheduled - req.arrival_time_s,
         req.num_preemptions,
         out.prompt_logprobs if sent == 0 else None,
+        prefill_len=req.prefill_len,
+        num_cached_tokens=req.num_cached_tokens,
     )
 
 

@@ -15,6 +15,10 @@ Names mirror vLLM's, so a vLLM dashboard ports by replacing the `vllm:` prefix w
     vllm:generation_tokens_total         -> splitphase:generation_tokens_total
     vllm:request_success_total{finished_reason}
                                          -> splitphase:request_success_total{finished_reason}
+    vllm:iteration_tokens_total          -> splitphase:iteration_tokens_total (a histogram, as
+                                            vLLM's: tokens per engine step)
+    vllm:request_prompt_tokens / _generation_tokens
+                                         -> splitphase:request_prompt_tokens / _generation_tokens
     vllm:num_preemptions_total           -> splitphase:num_preemptions_total
     vllm:prefix_cache_queries_total / _hits_total
                                          -> splitphase:prefix_cache_queries_total / _hits_total
@@ -59,6 +63,9 @@ TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 
                    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# Tokens: vLLM's step buckets, and its 1-2-5 series for a request's prompt and output.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,13 @@ class ServerMetrics:
                                      registry=self.registry).labels(model_name)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", lab,
                                          registry=self.registry).labels(model_name)
+        self.step_tokens = hist(p + "iteration_tokens_total", "Tokens per engine step: "
+                                "prefill tokens plus one per decoding sequence.",
+                                STEP_TOKEN_BUCKETS)
+        self.request_prompt = hist(p + "request_prompt_tokens", "Prompt tokens per finished "
+                                   "request.", REQUEST_TOKEN_BUCKETS)
+        self.request_output = hist(p + "request_generation_tokens", "Generated tokens per "
+                                   "finished request.", REQUEST_TOKEN_BUCKETS)
         self.preemptions = Counter(p + "num_preemptions", "Preemptions: a request's K/V blocks "
                                    "taken back for others; it recomputes them later.", lab,
                                    registry=self.registry).labels(model_name)
@@ -176,6 +190,8 @@ class ServerMetrics:
         now = time.monotonic()
         with self._lock:
             self._steps.extend((now, s) for s in steps)
+        for step in steps:
+            self.step_tokens.observe(step.num_prefill_tokens + step.num_decode_seqs)
 
     def observe_finished(self, reason: str, request: Request | None, e2e_s: float) -> None:
         """One finished sequence: its phase times (those it reached) and its reason."""
@@ -186,6 +202,8 @@ class ServerMetrics:
         # Counted when a request finishes (vLLM counts as they happen): a scrape's totals lag
         # by the requests still running.
         self.preemptions.inc(request.num_preemptions)
+        self.request_prompt.observe(len(request.prompt_token_ids))
+        self.request_output.observe(len(request.output_token_ids))
         if request.use_prefix_cache:
             self.prefix_queries.inc(request.prefill_len)
             self.prefix_hits.inc(min(request.num_cached_tokens, request.prefill_len))
