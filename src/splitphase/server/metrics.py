@@ -129,6 +129,9 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, lab, registry=self.registry).labels(model_name)
 
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, lab, registry=self.registry).labels(model_name)
+
         p = "splitphase:"
         self.ttft = hist(p + "time_to_first_token_seconds", "Arrival to first token.",
                          REQUEST_BUCKETS_S)
@@ -145,10 +148,8 @@ class ServerMetrics:
                            REQUEST_BUCKETS_S)
         self.e2e = hist(p + "e2e_request_latency_seconds", "Arrival to finish.",
                         REQUEST_BUCKETS_S)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", lab,
-                                     registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", lab,
-                                         registry=self.registry).labels(model_name)
+        self.prompt_tokens = counter(p + "prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter(p + "generation_tokens", "Generated tokens.")
         self.step_tokens = hist(p + "iteration_tokens_total", "Tokens per engine step: "
                                 "prefill tokens plus one per decoding sequence.",
                                 STEP_TOKEN_BUCKETS)
@@ -156,14 +157,11 @@ class ServerMetrics:
                                    "request.", REQUEST_TOKEN_BUCKETS)
         self.request_output = hist(p + "request_generation_tokens", "Generated tokens per "
                                    "finished request.", REQUEST_TOKEN_BUCKETS)
-        self.preemptions = Counter(p + "num_preemptions", "Preemptions: a request's K/V blocks "
-                                   "taken back for others; it recomputes them later.", lab,
-                                   registry=self.registry).labels(model_name)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "Tokens looked up in the "
-                                      "prefix cache (each request's latest prefill).", lab,
-                                      registry=self.registry).labels(model_name)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens found in the prefix cache.",
-                                   lab, registry=self.registry).labels(model_name)
+        self.preemptions = counter(p + "num_preemptions", "Preemptions: a request's K/V blocks "
+                                   "taken back for others; it recomputes them later.")
+        self.prefix_queries = counter(p + "prefix_cache_queries", "Tokens looked up in the "
+                                      "prefix cache (each request's latest prefill).")
+        self.prefix_hits = counter(p + "prefix_cache_hits", "Tokens found in the prefix cache.")
         self._success = Counter(p + "request_success", "Finished requests by reason.",
                                 [*lab, "finished_reason"], registry=self.registry)
         self.running = gauge(p + "num_requests_running", "Sequences in the running batch.")
