@@ -223,10 +223,10 @@ def test_prometheus_pool_tokens_from_vllm_and_ours() -> None:
     assert prometheus.kv_pool_tokens(vllm) == 144
     assert prometheus.kv_pool_tokens(vllm.replace('"9"', '"None"')) is None  # not profiled yet
     ours = ('splitphase:cache_config_info{block_size="16",cache_dtype="float32",'
-            'model_name="m"} 1.0\nsplitphase:kv_cache_blocks_total{model_name="m"} 40.0\n')
+            'model_name="m",num_gpu_blocks="40"} 1.0\n')
     assert prometheus.kv_pool_tokens(METRICS + ours) == 640
     assert prometheus.cache_dtype(ours) == "float32"
-    no_size = ours.replace('block_size="16",', "")  # a disaggregated pair states no size
+    no_size = ours.replace('block_size="16",', "")  # half a statement is none
     assert prometheus.kv_pool_tokens(no_size) is None and prometheus.cache_dtype(no_size)
     assert prometheus.kv_pool_tokens(METRICS) is None
     sglang = ('sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 161721.0\n'
@@ -265,6 +265,7 @@ def test_builtin_stores_its_pool_in_the_given_dtype(tiny_ckpt: Path) -> None:
         assert target._engine.kv_dtype_bytes == 1
         blocks = target._engine.scheduler.block_manager.num_blocks
         assert target.describe()["kv_pool_tokens"] == blocks * 16 > 0
+        assert target._engine.kv_pool_blocks == blocks and target._engine.kv_block_size == 16
         traces = target.run(_requests(target, 24, 2, 4, 2), concurrency=2)
     finally:
         target.close()

@@ -119,6 +119,7 @@ def test_greedy_matches_mixed(pair, mixed):
         assert len(req.inter_token_s) == 11 and req.decode_s == pytest.approx(
             sum(req.inter_token_s)
         )
+    assert (pair.kv_pool_blocks, pair.kv_block_size) == (64, 16)  # the decode worker's pool
     roles = {(s.role, s.phase) for s in pair.steps}
     assert ("prefill", "prefill") in roles and ("decode", "decode") in roles
     assert {r for r, _ in roles} == {"prefill", "decode"}

@@ -61,6 +61,7 @@ def test_greedy_text_and_step_records_equal_in_process(core_llm: LLM, tiny_ckpt:
     engine = core_llm.engine
     assert isinstance(engine, EngineCoreClient)
     assert engine.state.num_used_blocks == 0 and engine.state.num_blocks > 0
+    assert (engine.kv_pool_blocks, engine.kv_block_size) == (engine.state.num_blocks, 16)
     assert not engine.has_unfinished_requests()
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from splitphase.audit.targets import prometheus
 from splitphase.engine.llm import LLM
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.reliability.ledger import Ledger
@@ -114,6 +115,7 @@ def test_kv_pool_exhaustion_preempts_and_keeps_greedy_text(
     assert preempted, "the pool was not exhausted"
     metrics, _ = wait_at_rest(url, 5)
     assert metrics["kv_cache_blocks_used"] == 0
+    assert metrics["num_preemptions_total"] == len(preempted)  # what dashboards and audits read
     ledger.record("faults", "KV pool exhaustion (12 blocks for 8 requests needing 48)",
                   f"{len(preempted)} preemptions; all 8 completed with the unloaded greedy "
                   "text", held=8, faults=len(preempted))
@@ -145,6 +147,9 @@ def test_disaggregated_pair_under_load_and_disconnects(disagg: ServerProcess,
     asyncio.run(leave_early())
     metrics, rest_s = wait_at_rest(disagg.url, 10)  # KV blocks summed over both workers
     assert metrics["kv_cache_blocks_used"] == 0 and metrics["num_requests_running"] == 0
+    # The pool an auditor reads is the decode worker's (the same size as the prefill one's).
+    text = httpx.get(disagg.url + "/metrics", timeout=10).text
+    assert prometheus.kv_pool_tokens(text) == 16 * metrics["kv_cache_blocks_total"] / 2
     assert finished_total(metrics) - before == 65
     assert metrics["request_success_total|abort"] >= 5
     ledger.record("load", "disaggregated pair: 60 open-loop streams, then 5 disconnects",

@@ -180,7 +180,7 @@ def test_metrics_parse_and_histograms_count_finished_requests(server: ServerProc
     assert 'cache_dtype="float32"' in text
     assert prometheus.cache_dtype(text) == "float32"
     pool = prometheus.kv_pool_tokens(text)  # blocks x block_size, as vLLM's info states it
-    assert pool == 16 * after["splitphase:kv_cache_blocks_total"]
+    assert pool == 16 * after["splitphase:kv_cache_blocks_total"]  # one pool: the same blocks
     # The same 40-token prompt again: its two full blocks come from the prefix cache.
     prompt = list(range(100, 140))
     for _ in range(2):

@@ -241,6 +241,16 @@ class DisaggregatedEngine:
         """The longest request (prompt + max_tokens) both workers can hold."""
         return self._max_model_len
 
+    @property
+    def kv_pool_blocks(self) -> int:
+        """Blocks in the decode worker's K/V pool: the one decode batches are bounded by."""
+        return int(self._workers["decode"].info["num_blocks"])
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens a K/V block holds (the same on both workers)."""
+        return int(self._workers["decode"].info["block_size"])
+
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
         self,

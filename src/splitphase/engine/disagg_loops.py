@@ -357,6 +357,7 @@ def _build(opts: WorkerOptions, conn: Connection) -> WorkerLoop:
                 "max_model_len": engine.max_model_len,
                 "vocab_size": model.cfg.vocab_size,
                 "num_blocks": engine.cache.num_blocks,
+                "block_size": engine.cache.block_size,
                 "backend": backend,
             },
         )

@@ -42,6 +42,8 @@ class EngineCoreClient:
         self._conn, self.proc, self.tokenizer = conn, proc, tokenizer
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.kv_pool_blocks: int = info["kv_pool_blocks"]
+        self.kv_block_size: int = info["kv_block_size"]
         self.steps: list[StepRecord] = []
         self.state = CoreState(False, 0, 0, 0, 0, 0)
         self._sent = 0  # commands sent; the core has handled `state.commands_handled` of them

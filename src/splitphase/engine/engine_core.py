@@ -80,7 +80,9 @@ def run_core(conn: Connection, factory: Callable[[], LLMEngine]) -> None:
         conn.send(("error", _picklable(exc)))
         return
     conn.send(("ready", {"max_model_len": int(engine.max_model_len),
-                         "vocab_size": int(engine.model.cfg.vocab_size)}))
+                         "vocab_size": int(engine.model.cfg.vocab_size),
+                         "kv_pool_blocks": int(engine.kv_pool_blocks),
+                         "kv_block_size": int(engine.kv_block_size)}))
     _CoreLoop(conn, engine).run()
 
 

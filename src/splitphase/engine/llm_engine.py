@@ -161,6 +161,16 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    @property
+    def kv_pool_blocks(self) -> int:
+        """Blocks in the K/V pool."""
+        return self.cache.num_blocks
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens a K/V block holds."""
+        return self.cache.block_size
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self,

@@ -26,11 +26,11 @@ Names mirror vLLM's, so a vLLM dashboard ports by replacing the `vllm:` prefix w
     vllm:num_requests_running / _waiting -> splitphase:num_requests_running / _waiting
     vllm:kv_cache_usage_perc             -> splitphase:kv_cache_usage_perc (0..1), plus
                                             splitphase:kv_cache_blocks_used / _total
-    vllm:cache_config_info{cache_dtype,block_size}
-                                         -> splitphase:cache_config_info{cache_dtype,block_size}
-                                            (the pool's dtype, "auto" resolved to the model's;
-                                            no block_size for a disaggregated pair, whose
-                                            kv_cache_blocks_total adds both workers' pools)
+    vllm:cache_config_info{cache_dtype,block_size,num_gpu_blocks}
+                                         -> splitphase:cache_config_info{the same} (the pool's
+                                            dtype, "auto" resolved to the model's; a
+                                            disaggregated pair's blocks are the decode
+                                            worker's pool, its kv_cache_blocks_total adds both)
     (no vLLM equivalent)                 -> splitphase:prefill_flops_utilization,
                                             splitphase:decode_bandwidth_utilization
 
@@ -113,7 +113,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, hardware: HardwareSpec | None, dtype: str,
                  window_s: float = 10.0, kv_cache_dtype: str = "auto",
-                 block_size: int | None = None) -> None:
+                 kv_pool: tuple[int, int] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.window_s = window_s
         self._peaks = _peaks(hardware, dtype)
@@ -175,10 +175,12 @@ class ServerMetrics:
                                  "Decode steps' bytes/s over the peak bandwidth, recent window.")
         for reason in ("stop", "length", "abort", "error"):  # present from the first scrape
             self._success.labels(model_name, reason)
-        # An info metric as vLLM's: an auditor prices decode's K/V bytes at this width, and
-        # with kv_cache_blocks_total it knows how many tokens the pool holds.
+        # An info metric as vLLM's: an auditor prices decode's K/V bytes at this width and
+        # knows how many tokens the pool decode runs in holds (kv_pool: block size, blocks).
         cache = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-        info = {"cache_dtype": cache, **({"block_size": str(block_size)} if block_size else {})}
+        info = {"cache_dtype": cache}
+        if kv_pool is not None:
+            info |= {"block_size": str(kv_pool[0]), "num_gpu_blocks": str(kv_pool[1])}
         Gauge(p + "cache_config_info", "K/V cache configuration (value 1).",
               [*lab, *info], registry=self.registry).labels(model_name, *info.values()).set(1)
 

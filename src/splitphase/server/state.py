@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from splitphase.engine.async_engine import AsyncEngine
-from splitphase.engine.config import EngineConfig
 from splitphase.engine.engine_client import EngineCoreClient
 from splitphase.engine.llm import LLM
 from splitphase.hardware.specs import HardwareSpec
@@ -38,7 +37,7 @@ class ServerState:
         self.chat = ChatTemplate.for_model_dir(self.model_dir, self.tokenizer)
         self.metrics = ServerMetrics(config.model_id, hardware, _dtype(llm, self.model_dir),
                                      config.utilization_window_s, config.kv_cache_dtype,
-                                     _decode_block_size(config))
+                                     (llm.engine.kv_block_size, llm.engine.kv_pool_blocks))
         self.engine = AsyncEngine(llm.engine, on_steps=self.metrics.on_steps,
                                   max_step_records=config.max_step_records)
         self.max_model_len = int(llm.engine.max_model_len)
@@ -193,11 +192,3 @@ def _vocab_size(llm: LLM, model_dir: Path | None) -> int:
     if model_dir is not None:
         return int(read_config(model_dir)[0].vocab_size)
     return llm.tokenizer.vocab_size
-
-
-def _decode_block_size(config: ServerConfig) -> int | None:
-    """The block size behind kv_cache_blocks_total when that gauge is the decode pool's (not
-    for a disaggregated pair: the gauge adds the prefill worker's pool to the decode one's)."""
-    if config.policy == "disaggregated":
-        return None
-    return EngineConfig(**config.engine_kwargs()).block_size

@@ -198,11 +198,11 @@ class BuiltinTarget:
         }
 
     def _pool_tokens(self) -> int | None:
-        """Tokens the engine's K/V pool holds; None without one (a custom runner) or for the
-        disaggregated pair, whose decode worker holds its pool in another process."""
-        if not isinstance(self._engine, LLMEngine):
+        """Tokens the K/V pool decode runs in holds (a pair's: the decode worker's); None for
+        a custom runner, which has none."""
+        if self._engine is None:
             return None
-        return int(self._engine.scheduler.block_manager.num_blocks * self._engine.config.block_size)
+        return int(self._engine.kv_pool_blocks * self._engine.kv_block_size)
 
     def model_config(self) -> ModelConfig:
         return self._model.cfg

@@ -48,11 +48,10 @@ GENERATION_TOKENS = (
     "sglang:generation_tokens_total",
 )
 
-# vLLM's info metric (labels from its CacheConfig) and ours carry the K/V cache's dtype and
-# block size; vLLM's also the pool's block count, ours has it in a gauge. SGLang states the
-# pool's tokens in a gauge, once per tensor-parallel rank (each holds every token's share).
+# vLLM's info metric (labels from its CacheConfig) and ours carry the K/V cache's dtype, block
+# size and block count. SGLang states the pool's tokens in a gauge, once per tensor-parallel
+# rank (each holds every token's share).
 CACHE_CONFIG_INFO = ("splitphase:cache_config_info", "vllm:cache_config_info")
-POOL_BLOCKS = "splitphase:kv_cache_blocks_total"
 POOL_TOKENS = "sglang:max_total_num_tokens"
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
@@ -88,7 +87,7 @@ def kv_pool_tokens(text: str) -> int | None:
     """Tokens the server's K/V pool holds (blocks x block size), or None if it does not say."""
     labels = _cache_config(text)
     block_size = _positive_int(labels.get("block_size"))
-    blocks = _positive_int(labels.get("num_gpu_blocks")) or _positive_int(_gauge(text, POOL_BLOCKS))
+    blocks = _positive_int(labels.get("num_gpu_blocks"))
     if block_size and blocks:
         return block_size * blocks
     return _positive_int(_gauge(text, POOL_TOKENS))
