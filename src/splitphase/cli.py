@@ -157,9 +157,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="dtype of the paged K/V pool (auto: the model's); bfloat16 under an "
                     "fp32 model holds twice the tokens in the same memory")
-    sv.add_argument("--kv-cache-bytes", type=byte_count, metavar="BYTES",
-                    help="memory of the K/V pool, e.g. 4G or 3.5GiB (as vLLM's "
-                    "--kv-cache-memory-bytes; default: a quarter of free memory, at most what "
+    sv.add_argument("--kv-cache-bytes", "--kv-cache-memory-bytes", type=byte_count,
+                    metavar="BYTES", help="memory of the K/V pool, e.g. 4G or 3.5GiB (the "
+                    "second name is vLLM's; default: a quarter of free memory, at most what "
                     "--max-num-seqs full-length sequences use)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
