@@ -31,6 +31,9 @@ def test_preemptions_and_prefix_cache_tokens_count_as_requests_finish() -> None:
     assert _samples(metrics) == {"splitphase:num_preemptions_total": 2.0,
                                  "splitphase:prefix_cache_queries_total": 48.0,
                                  "splitphase:prefix_cache_hits_total": 32.0}
+    uncached = ServerMetrics("m", None, "float32", prefix_caching=False)  # the engine's switch
+    uncached.observe_finished("length", twice, 1.0)
+    assert _samples(uncached)["splitphase:prefix_cache_queries_total"] == 0
 
 
 def test_step_and_request_token_histograms() -> None:

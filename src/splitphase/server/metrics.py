@@ -113,13 +113,14 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, hardware: HardwareSpec | None, dtype: str,
                  window_s: float = 10.0, kv_cache_dtype: str = "auto",
-                 kv_pool: tuple[int, int] | None = None) -> None:
+                 kv_pool: tuple[int, int] | None = None, prefix_caching: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.window_s = window_s
         self._peaks = _peaks(hardware, dtype)
         self._steps: deque[tuple[float, StepRecord]] = deque(maxlen=8192)
         self._lock = threading.Lock()
         self._model = model_name
+        self._prefix_caching = prefix_caching  # off: nothing is looked up (vLLM counts 0 too)
         lab = ["model_name"]
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
@@ -204,7 +205,7 @@ class ServerMetrics:
         self.preemptions.inc(request.num_preemptions)
         self.request_prompt.observe(len(request.prompt_token_ids))
         self.request_output.observe(len(request.output_token_ids))
-        if request.use_prefix_cache:
+        if self._prefix_caching and request.use_prefix_cache:
             self.prefix_queries.inc(request.prefill_len)
             self.prefix_hits.inc(min(request.num_cached_tokens, request.prefill_len))
         for hist, value in ((self.queue, request.queue_s), (self.prefill, request.prefill_s),

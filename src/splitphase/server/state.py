@@ -37,7 +37,8 @@ class ServerState:
         self.chat = ChatTemplate.for_model_dir(self.model_dir, self.tokenizer)
         self.metrics = ServerMetrics(config.model_id, hardware, _dtype(llm, self.model_dir),
                                      config.utilization_window_s, config.kv_cache_dtype,
-                                     (llm.engine.kv_block_size, llm.engine.kv_pool_blocks))
+                                     (llm.engine.kv_block_size, llm.engine.kv_pool_blocks),
+                                     config.enable_prefix_caching)
         self.engine = AsyncEngine(llm.engine, on_steps=self.metrics.on_steps,
                                   max_step_records=config.max_step_records)
         self.max_model_len = int(llm.engine.max_model_len)
