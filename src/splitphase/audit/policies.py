@@ -82,7 +82,7 @@ def _line(r: PolicyResult) -> str:
         return f"{r.policy}: not measured (its streams never overlapped a long prefill)"
     return (
         f"{r.policy}: {r.baseline_itl_s * 1e3:.1f} ms -> {r.during_prefill_itl_s * 1e3:.1f} ms "
-        f"per token during a long prefill (x{r.during_prefill_itl_s / r.baseline_itl_s:.2f}, "
+        f"per token during a long prefill ({r.during_prefill_itl_s / r.baseline_itl_s:.2f}x, "
         f"worst {r.max_itl_s * 1e3:.1f} ms), streams {r.stream_tokens_per_s:,.0f} tok/s"
     )
 

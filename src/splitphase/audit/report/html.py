@@ -139,7 +139,7 @@ def _profile(doc: dict[str, Any], plots: dict[str, str]) -> str:
         f"Prefill interference (measured): running streams' inter-token latency was "
         f"{fmt.seconds(inter['during_prefill_itl_s'])} (mean) while "
         f"{inter['inject_prompt_tokens']:.0f}-token prompts were prefilled, against "
-        f"{fmt.seconds(inter['baseline_itl_s'])} (p50) otherwise: x{inter['spike']:.2f}."
+        f"{fmt.seconds(inter['baseline_itl_s'])} (p50) otherwise: {inter['spike']:.2f}x."
         if inter
         else "Prefill interference was not measured on this target (see step 4)."
     )

@@ -72,7 +72,7 @@ def interference(prof: Profile, util: Utilization) -> Optimization:
         detail = (
             f"while {inter.inject_prompt_tokens:.0f}-token prompts were prefilled, running "
             f"streams' inter-token latency went from {inter.baseline_itl_s * 1e3:.1f} ms to "
-            f"{inter.during_prefill_itl_s * 1e3:.1f} ms (mean over p50, x{inter.spike:.2f}; worst "
+            f"{inter.during_prefill_itl_s * 1e3:.1f} ms (mean over p50, {inter.spike:.2f}x; worst "
             f"{inter.max_itl_s * 1e3:.1f} ms): "
             + ("prefill is batched with decode; chunked prefill (Sarathi-Serve) or disaggregated "
                "prefill and decode (DistServe, Splitwise) keeps decode near its baseline"
@@ -91,7 +91,7 @@ def interference(prof: Profile, util: Utilization) -> Optimization:
         f"projected from measured phase times (this target runs requests batch by batch, so it "
         f"was not measured): under mixed scheduling a {longest.prompt_tokens:.0f}-token prompt "
         f"stalls every running stream for one step of {stalled * 1e3:.1f} ms instead of "
-        f"{step_s * 1e3:.1f} ms (x{stalled / step_s:.1f}); chunked prefill bounds it to one chunk"
+        f"{step_s * 1e3:.1f} ms ({stalled / step_s:.1f}x); chunked prefill bounds it to one chunk"
     )
     return Optimization("isolate prefill from decode", "decode", "projected", True,
                         "worst inter-token latency while a long prompt is admitted", "s",
