@@ -242,6 +242,10 @@ def test_max_model_len_caps_requests_and_is_refused_past_the_engine(tiny_model, 
             LLMEngine(tiny_model, tokenizer, config)
     with pytest.raises(UserError, match="max_model_len must be >= 1"):
         EngineConfig(max_model_len=0)
+    # The default pool holds max_num_seqs sequences of max_model_len, not of max_seq_len.
+    capped = LLMEngine(tiny_model, tokenizer, EngineConfig(max_num_seqs=8, max_model_len=64))
+    whole = LLMEngine(tiny_model, tokenizer, EngineConfig(max_num_seqs=8))
+    assert (capped.kv_pool_blocks, whole.kv_pool_blocks) == (8 * 4, 8 * 256 // 16)
 
 
 @pytest.fixture(scope="module")

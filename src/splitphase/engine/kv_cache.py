@@ -63,17 +63,20 @@ def num_blocks_for_budget(
     memory_fraction: float,
     device: torch.device,
     max_num_seqs: int,
+    max_len: int | None = None,
 ) -> int:
     """How many blocks fit a byte budget, or a fraction of the device's free memory.
 
-    A fraction of free memory is capped at what max_num_seqs full-length sequences can use,
-    so a small model on a big machine does not zero gigabytes it will never touch.
+    A fraction of free memory is capped at what max_num_seqs full-length sequences can use
+    (`max_len` tokens each, default the model's max_seq_len), so a small model on a big machine
+    does not zero gigabytes it will never touch.
     """
     per_block = kv_bytes_per_block(cfg, block_size, dtype_bytes)
     if kv_cache_bytes is None:
         if not 0 < memory_fraction <= 1:
             raise UserError(f"KV memory fraction must be in (0, 1], got {memory_fraction}")
-        useful_bytes = max_num_seqs * -(-cfg.max_seq_len // block_size) * per_block
+        full = min(cfg.max_seq_len, max_len or cfg.max_seq_len)
+        useful_bytes = max_num_seqs * -(-full // block_size) * per_block
         kv_cache_bytes = min(int(available_memory_bytes(device) * memory_fraction), useful_bytes)
     num_blocks = kv_cache_bytes // per_block
     if num_blocks < 1:

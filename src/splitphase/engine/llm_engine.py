@@ -112,7 +112,7 @@ class LLMEngine:
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
         num_blocks = config.num_blocks or num_blocks_for_budget(
             cfg, config.block_size, kv_dtype.itemsize, config.kv_cache_bytes,
-            config.kv_memory_fraction, model.device, config.max_num_seqs,
+            config.kv_memory_fraction, model.device, config.max_num_seqs, config.max_model_len,
         )
         self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, model.device)
         self.scheduler = Scheduler(
