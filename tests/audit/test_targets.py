@@ -243,6 +243,23 @@ def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:
             target.close()
 
 
+@pytest.mark.parametrize(("timing", "stated"), [
+    (FakeTiming(server_info={"kv_cache_dtype": "bf16", "max_total_num_tokens": 5000}),
+     ("bfloat16", 5000)),
+    (FakeTiming(server_info={"kv_cache_dtype": "fp8_e5m2"}), ("fp8_e5m2", None)),
+    (FakeTiming(server_info={"model_path": "m"}), (None, None)),
+    (FakeTiming(cache_dtype="fp8", num_gpu_blocks=10,  # /metrics, where stated, wins
+                server_info={"kv_cache_dtype": "auto", "max_total_num_tokens": 5000}),
+     ("fp8", 160)),
+])
+def test_sglang_states_its_cache_in_its_server_info(timing: FakeTiming, stated: tuple) -> None:
+    with FakeOpenAIServer(timing) as url:
+        target = open_target(f"openai:{url}", ModelConfig.from_name("tiny"))
+        described = target.describe()
+        target.close()
+    assert (described["kv_cache_dtype"], described["kv_pool_tokens"]) == stated
+
+
 def test_builtin_counts_the_preemptions_of_a_pool_too_small(tiny_ckpt: Path) -> None:
     from splitphase.engine.config import EngineConfig
     from splitphase.engine.llm_engine import LLMEngine

@@ -33,6 +33,7 @@ class FakeTiming:
     cache_dtype: str | None = None  # stated in vLLM's cache_config_info when set
     num_gpu_blocks: int | None = None  # likewise (16 tokens a block)
     preemptions_per_request: int = 0  # counted in vllm:num_preemptions_total as each finishes
+    server_info: dict[str, Any] | None = None  # SGLang's GET /get_server_info when set
 
 
 class _State:
@@ -91,6 +92,8 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
                 self._send(200, json.dumps({"object": "list", "data": [card]}))
             elif self.path == "/metrics" and state.timing.metrics:
                 self._send(200, state.metrics_text(), "text/plain; version=0.0.4")
+            elif self.path == "/get_server_info" and state.timing.server_info is not None:
+                self._send(200, json.dumps(state.timing.server_info))
             else:
                 self._send(404, json.dumps({"error": {"message": "not found"}}))
 

@@ -57,6 +57,9 @@ def _json_or_error(resp: Any, what: str) -> Any:
         ) from exc
 
 
+SGLANG_CACHE_DTYPES = {"bf16": "bfloat16"}  # its other names are vLLM's and ours
+
+
 class OpenAITarget:
     """A running OpenAI-compatible HTTP server; geometry from `--model-config`."""
 
@@ -70,6 +73,8 @@ class OpenAITarget:
         self.metrics = self._samples(text) is not None
         self.kv_cache_dtype = prometheus.cache_dtype(text) if text is not None else None
         self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
+        if self.kv_cache_dtype is None:  # SGLang states its cache in its server info instead
+            self._read_server_info()
         self.preemptions: int | None = None  # over the probe, where the server counts them
         self._codec = TokenizerCodec(Tokenizer.default())
 
@@ -127,6 +132,22 @@ class OpenAITarget:
             json.loads(lines[0][5:])
         except (IndexError, ValueError) as exc:
             raise UserError(f"{what} did not stream `data: {{json}}` events (SSE)") from exc
+
+    def _read_server_info(self) -> None:
+        """SGLang's GET /get_server_info: its server args, the K/V cache dtype among them."""
+        try:
+            resp = self._client.get(self.url + "/get_server_info")
+            info = resp.json() if resp.status_code == 200 else None
+        except (_httpx().HTTPError, ValueError):
+            return
+        if not isinstance(info, dict):
+            return
+        dtype = info.get("kv_cache_dtype")
+        if isinstance(dtype, str):
+            self.kv_cache_dtype = SGLANG_CACHE_DTYPES.get(dtype, dtype)
+        tokens = info.get("max_total_num_tokens")
+        if self.kv_pool_tokens is None and isinstance(tokens, int) and tokens > 0:
+            self.kv_pool_tokens = tokens
 
     def _metrics_text(self) -> str | None:
         try:
