@@ -18,7 +18,7 @@ _BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 def byte_count(text: str) -> int:
     """"4000000000", "4G", "3.5GiB", "512Mi" -> bytes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti)."""
-    raw = text.strip().lower().removesuffix("b")
+    raw = text.replace(" ", "").lower().removesuffix("b")
     unit = raw.lstrip("0123456789.e+")
     try:
         value = float(raw[: len(raw) - len(unit)]) * _BYTE_UNITS[unit]

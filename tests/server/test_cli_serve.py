@@ -98,7 +98,7 @@ def test_kv_cache_bytes_takes_units_and_reaches_the_engine() -> None:
     parse = build_parser().parse_args
     assert parse(["serve"]).kv_cache_bytes is None
     for text, nbytes in (("4000000", 4_000_000), ("4G", 4 * 10**9), ("3.5GiB", 7 * 2**29),
-                         ("512Mi", 2**29), ("2kB", 2000)):
+                         ("512Mi", 2**29), ("2kB", 2000), ("4 GiB", 2**32)):
         assert parse(["serve", "--kv-cache-bytes", text]).kv_cache_bytes == nbytes, text
     assert parse(["serve", "--kv-cache-memory-bytes", "2G"]).kv_cache_bytes == 2 * 10**9  # vLLM's
     for bad in ("lots", "4Q", "G"):
