@@ -74,3 +74,21 @@ class EngineConfig:
             raise UserError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise UserError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def resolve_max_model_len(self, model_max_len: int, pool_tokens: int) -> int:
+        """The longest request this engine serves: max_model_len where given (refused, as by
+        vLLM, when the model, the pool or mixed's step budget cannot hold it), else the least
+        of those limits."""
+        limits = {"the model's max_seq_len": model_max_len, "the K/V pool's tokens": pool_tokens}
+        if self.policy == "mixed":  # it prefills every prompt whole, in one step
+            limits["max_num_batched_tokens (the mixed policy prefills whole)"] = (
+                self.max_num_batched_tokens)
+        if self.max_model_len is None:
+            return min(limits.values())
+        over = {k: v for k, v in limits.items() if v < self.max_model_len}
+        if over:
+            what, most = min(over.items(), key=lambda kv: kv[1])
+            fix = "lower it, or grow the pool (--kv-cache-bytes)" if "pool" in what else "lower it"
+            raise UserError(f"max_model_len {self.max_model_len} is more than {what}, {most}: "
+                            f"{fix}")
+        return self.max_model_len

@@ -107,7 +107,9 @@ class DisaggregatedEngine:
         self._broken: str | None = None
         self._ids = itertools.count()
         self._closed = False
-        self._max_model_len = 0
+        # Set as the workers start: the longest request both can hold; the decode worker's
+        # K/V pool (blocks, tokens a block), the one decode batches are bounded by.
+        self.max_model_len = self.kv_pool_blocks = self.kv_block_size = 0
         self._authkey = resolve_authkey(config.spawn_workers)
         self._procs: list[Any] = []  # local processes, for the finalizer too
         self._server = ControlServer(config.host, config.control_port, self._authkey)
@@ -184,7 +186,9 @@ class DisaggregatedEngine:
                 self._procs.append(procs[role])
         ready = await_workers(self._server, session, procs, cfg.startup_timeout_s)
         self._workers = {role: ready[role] for role in ROLES}  # prefill first, always
-        self._max_model_len = min(w.info["max_model_len"] for w in self._workers.values())
+        self.max_model_len = min(w.info["max_model_len"] for w in self._workers.values())
+        decode = self._workers["decode"].info
+        self.kv_pool_blocks, self.kv_block_size = decode["num_blocks"], decode["block_size"]
 
     def restart(self) -> None:
         """Replace the pair: a fresh process group on a new port; in-flight requests fail."""
@@ -235,21 +239,6 @@ class DisaggregatedEngine:
         self._pump(0.0)
         self._check_liveness()
         return self.dead_workers
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest request (prompt + max_tokens) both workers can hold."""
-        return self._max_model_len
-
-    @property
-    def kv_pool_blocks(self) -> int:
-        """Blocks in the decode worker's K/V pool: the one decode batches are bounded by."""
-        return int(self._workers["decode"].info["num_blocks"])
-
-    @property
-    def kv_block_size(self) -> int:
-        """Tokens a K/V block holds (the same on both workers)."""
-        return int(self._workers["decode"].info["block_size"])
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(

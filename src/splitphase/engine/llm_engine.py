@@ -115,6 +115,7 @@ class LLMEngine:
             config.kv_memory_fraction, model.device, config.max_num_seqs, config.max_model_len,
         )
         self.cache = PagedKVCache(cfg, num_blocks, config.block_size, kv_dtype, model.device)
+        self.kv_pool_blocks, self.kv_block_size = num_blocks, config.block_size
         self.scheduler = Scheduler(
             SchedulerConfig(
                 policy=config.policy,
@@ -124,7 +125,8 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 block_size=config.block_size,
                 num_blocks=num_blocks,
-                max_model_len=self._max_model_len(num_blocks),
+                max_model_len=config.resolve_max_model_len(cfg.max_seq_len,
+                                                           num_blocks * config.block_size),
                 eos_token_id=tokenizer.eos_token_id,
             )
         )
@@ -140,36 +142,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
 
-    def _max_model_len(self, num_blocks: int) -> int:
-        cfg = self.config
-        # `mixed` runs every prompt whole, so no sequence may outgrow one step's token budget.
-        limits = {"the model's max_seq_len": self.model.cfg.max_seq_len,
-                  "the K/V pool's tokens": num_blocks * cfg.block_size}
-        if cfg.policy == "mixed":
-            limits["max_num_batched_tokens (the mixed policy prefills whole)"] = (
-                cfg.max_num_batched_tokens)
-        if cfg.max_model_len is None:
-            return min(limits.values())
-        over = {k: v for k, v in limits.items() if v < cfg.max_model_len}
-        if over:  # as vLLM: an explicit length the engine cannot serve is refused, not cut
-            what, most = min(over.items(), key=lambda kv: kv[1])
-            fix = "lower it, or grow the pool (--kv-cache-bytes)" if "pool" in what else "lower it"
-            raise UserError(f"max_model_len {cfg.max_model_len} is more than {what}, {most}: {fix}")
-        return cfg.max_model_len
-
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
-
-    @property
-    def kv_pool_blocks(self) -> int:
-        """Blocks in the K/V pool."""
-        return self.cache.num_blocks
-
-    @property
-    def kv_block_size(self) -> int:
-        """Tokens a K/V block holds."""
-        return self.cache.block_size
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
