@@ -97,7 +97,7 @@ def test_efficiency_from_audit_report(tmp_path: Path) -> None:
     assert "K/V" not in eff.source  # an older report: the width is not stated
     p.write_text(json.dumps({"prefill": {"flops_utilization": 0.41}, "model": {
         "kv_dtype_bytes": 1}, "decode": {"bandwidth_utilization": 0.73}}))
-    assert Efficiency.from_audit_report(p).source.endswith("with K/V at 1 B/element)")
+    assert Efficiency.from_audit_report(p).source.endswith("with 1-byte K/V elements)")
     p.write_text("{}")
     with pytest.raises(CostModelError):
         Efficiency.from_audit_report(p)

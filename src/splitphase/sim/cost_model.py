@@ -96,7 +96,7 @@ class Efficiency:
             raise CostModelError(f"{p}: utilizations must be > 0 to calibrate from")
         # The audit's prefill utilization is measured on whole prompts: the large-M rate.
         width = doc.get("model", {}).get("kv_dtype_bytes")
-        measured = f" (decode measured with K/V at {width} B/element)" if width else ""
+        measured = f" (decode measured with {width}-byte K/V elements)" if width else ""
         return cls(min(flops_u, 1.5), min(bw_u, 1.5), source=f"audit report {p}{measured}")
 
     def to_dict(self) -> dict[str, object]:

@@ -176,8 +176,9 @@ class OpenAITarget:
             "runner": "streaming POST /v1/completions (httpx)",
             "concurrent_streams": True,
             "server_metrics": self.metrics,
-            "kv_cache_dtype": self.kv_cache_dtype,  # as /metrics states it; None: not stated
-            "kv_pool_tokens": self.kv_pool_tokens,  # likewise
+            # As /metrics (or SGLang's server info) states them; None: not stated.
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_pool_tokens": self.kv_pool_tokens,
             "preemptions": self.preemptions,
         }
 
