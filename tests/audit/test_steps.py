@@ -6,7 +6,14 @@ import pytest
 
 from splitphase.audit import flops as fl
 from splitphase.audit.policies import PolicyResult
-from splitphase.audit.steps import Workload, cost, profile, run_steps, utilization
+from splitphase.audit.steps import (
+    ServingLimits,
+    Workload,
+    cost,
+    profile,
+    run_steps,
+    utilization,
+)
 from splitphase.audit.steps.optimizations import (
     batching_policy,
     dual_flow_decode,
@@ -210,20 +217,24 @@ def test_a_narrower_kv_cache_is_priced_at_its_width() -> None:
     assert result.utilization.kv_dtype_bytes == 1
 
 
-def test_a_larger_decode_batch_names_the_pool_that_stops_it_short() -> None:
+def test_a_larger_decode_batch_names_the_limits_that_stop_it_short() -> None:
     util = utilization(profile(_sweep()), LLAMA8B, HW)
     physical = larger_decode_batch(util, LLAMA8B, HW)
     assert physical.applicable and "pool" not in physical.detail
     context = round(util.decode.headline.context_tokens)
-    small = larger_decode_batch(util, LLAMA8B, HW, kv_pool_tokens=3 * (context + 1))
+    small = larger_decode_batch(util, LLAMA8B, HW, ServingLimits(3 * (context + 1)))
     assert (small.before, small.after) == (physical.before, physical.after)  # still the bound
     assert "K/V pool holds" in small.detail and "about 3 such streams" in small.detail
-    roomy = larger_decode_batch(util, LLAMA8B, HW, kv_pool_tokens=10**9)
+    assert "sequences at once" not in small.detail
+    roomy = larger_decode_batch(util, LLAMA8B, HW, ServingLimits(10**9, 10**4))
     assert roomy.detail == physical.detail
+    capped = larger_decode_batch(util, LLAMA8B, HW, ServingLimits(10**9, 2))
+    assert capped.detail.endswith("at most 2 sequences at once: past that raise --max-num-seqs "
+                                  "(SGLang --max-running-requests)")
     result = run_steps(_sweep(), LLAMA8B, HW, 2.0, Workload(1000, 512, 64),
-                       kv_pool_tokens=3 * (context + 1))
+                       limits=ServingLimits(3 * (context + 1), 2))
     row = next(o for o in result.optimizations if o.name == "larger decode batch")
-    assert "about 3 such streams" in row.detail
+    assert "about 3 such streams" in row.detail and "at most 2 sequences" in row.detail
 
 
 def test_batching_policy_gain_is_against_the_policy_the_engine_runs() -> None:

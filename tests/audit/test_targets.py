@@ -234,6 +234,15 @@ def test_prometheus_pool_tokens_from_vllm_and_ours() -> None:
     assert prometheus.kv_pool_tokens(METRICS + sglang) == 161721  # per rank, not summed
 
 
+def test_prometheus_max_num_seqs_from_ours_and_sglang() -> None:
+    ours = ('splitphase:scheduler_config_info{max_num_batched_tokens="2048",max_num_seqs="64",'
+            'model_name="m",policy="chunked"} 1.0\n')
+    assert prometheus.max_num_seqs(METRICS + ours) == 64
+    sglang = 'sglang:max_running_requests{model_name="m",tp_rank="0"} 4096\n'
+    assert prometheus.max_num_seqs(METRICS + sglang) == 4096
+    assert prometheus.max_num_seqs(METRICS) is None  # vLLM states none
+
+
 def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:
     for stated, blocks in (("fp8", 100), (None, None)):
         with FakeOpenAIServer(FakeTiming(cache_dtype=stated, num_gpu_blocks=blocks)) as url:
@@ -244,20 +253,21 @@ def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:
 
 
 @pytest.mark.parametrize(("timing", "stated"), [
-    (FakeTiming(server_info={"kv_cache_dtype": "bf16", "max_total_num_tokens": 5000}),
-     ("bfloat16", 5000)),
-    (FakeTiming(server_info={"kv_cache_dtype": "fp8_e5m2"}), ("fp8_e5m2", None)),
-    (FakeTiming(server_info={"model_path": "m"}), (None, None)),
+    (FakeTiming(server_info={"kv_cache_dtype": "bf16", "max_total_num_tokens": 5000,
+                             "max_running_requests": 48}), ("bfloat16", 5000, 48)),
+    (FakeTiming(server_info={"kv_cache_dtype": "fp8_e5m2"}), ("fp8_e5m2", None, None)),
+    (FakeTiming(server_info={"model_path": "m"}), (None, None, None)),
     (FakeTiming(cache_dtype="fp8", num_gpu_blocks=10,  # /metrics, where stated, wins
                 server_info={"kv_cache_dtype": "auto", "max_total_num_tokens": 5000}),
-     ("fp8", 160)),
+     ("fp8", 160, None)),
 ])
 def test_sglang_states_its_cache_in_its_server_info(timing: FakeTiming, stated: tuple) -> None:
     with FakeOpenAIServer(timing) as url:
         target = open_target(f"openai:{url}", ModelConfig.from_name("tiny"))
         described = target.describe()
         target.close()
-    assert (described["kv_cache_dtype"], described["kv_pool_tokens"]) == stated
+    assert (described["kv_cache_dtype"], described["kv_pool_tokens"],
+            described["max_num_seqs"]) == stated
 
 
 def test_builtin_counts_the_preemptions_of_a_pool_too_small(tiny_ckpt: Path) -> None:
@@ -283,6 +293,7 @@ def test_builtin_stores_its_pool_in_the_given_dtype(tiny_ckpt: Path) -> None:
         blocks = target._engine.scheduler.block_manager.num_blocks
         assert target.describe()["kv_pool_tokens"] == blocks * 16 > 0
         assert target._engine.kv_pool_blocks == blocks and target._engine.kv_block_size == 16
+        assert target.describe()["max_num_seqs"] == 64
         traces = target.run(_requests(target, 24, 2, 4, 2), concurrency=2)
     finally:
         target.close()

@@ -179,6 +179,7 @@ def test_metrics_parse_and_histograms_count_finished_requests(server: ServerProc
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'cache_dtype="float32"' in text
     assert prometheus.cache_dtype(text) == "float32"
+    assert prometheus.max_num_seqs(text) == 32  # --max-num-seqs, for the audit
     pool = prometheus.kv_pool_tokens(text)  # blocks x block_size, as vLLM's info states it
     assert pool == 16 * after["splitphase:kv_cache_blocks_total"]  # one pool: the same blocks
     # The same 40-token prompt again: its two full blocks come from the prefix cache.

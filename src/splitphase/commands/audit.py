@@ -113,7 +113,7 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
     """Probe the target, run the five steps, write the report; (report.json doc, out dir)."""
     from splitphase.audit.probes import run_probe
     from splitphase.audit.report import build_report, write_report
-    from splitphase.audit.steps import run_steps
+    from splitphase.audit.steps import ServingLimits, run_steps
     from splitphase.audit.targets import open_target
 
     override = load_model_config(opts.model_config) if opts.model_config else None
@@ -128,8 +128,9 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
         target.close()
     described, kv_b = _kv_cache(opts, described, cfg)
     policies = _compare_policies(opts, described, plan, probe.traces, _context_len(target, cfg))
+    limits = ServingLimits(described.get("kv_pool_tokens"), described.get("max_num_seqs"))
     result = run_steps(probe.traces, cfg, hw, hw.price_usd_per_hour, _bill(opts, plan),
-                       policies, described.get("policy"), kv_b, described.get("kv_pool_tokens"))
+                       policies, described.get("policy"), kv_b, limits)
     doc = build_report(result, described, hw, cfg, probe)
     out = write_report(opts.out, doc, result.profile.itl_samples_s)
     return doc, out

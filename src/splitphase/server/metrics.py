@@ -32,7 +32,9 @@ Names mirror vLLM's, so a vLLM dashboard ports by replacing the `vllm:` prefix w
                                             disaggregated pair's blocks are the decode
                                             worker's pool, its kv_cache_blocks_total adds both)
     (no vLLM equivalent)                 -> splitphase:prefill_flops_utilization,
-                                            splitphase:decode_bandwidth_utilization
+                                            splitphase:decode_bandwidth_utilization,
+                                            splitphase:scheduler_config_info{policy,
+                                            max_num_seqs,max_num_batched_tokens}
 
 Every finished request (any reason, aborts and errors included) is observed once in the
 e2e histogram and the success counter; the phase histograms get the phases it reached. The two
@@ -113,7 +115,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, hardware: HardwareSpec | None, dtype: str,
                  window_s: float = 10.0, kv_cache_dtype: str = "auto",
-                 kv_pool: tuple[int, int] | None = None, prefix_caching: bool = True) -> None:
+                 kv_pool: tuple[int, int] | None = None, prefix_caching: bool = True,
+                 scheduler: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.window_s = window_s
         self._peaks = _peaks(hardware, dtype)
@@ -184,6 +187,10 @@ class ServerMetrics:
             info |= {"block_size": str(kv_pool[0]), "num_gpu_blocks": str(kv_pool[1])}
         Gauge(p + "cache_config_info", "K/V cache configuration (value 1).",
               [*lab, *info], registry=self.registry).labels(model_name, *info.values()).set(1)
+        if scheduler:  # vLLM states none: the batch limits an auditor's projections stop at
+            Gauge(p + "scheduler_config_info", "Scheduler configuration (value 1).",
+                  [*lab, *scheduler], registry=self.registry).labels(
+                      model_name, *scheduler.values()).set(1)
 
     # ---- events (any thread) -----------------------------------------------------------------
     def on_steps(self, steps: Sequence[StepRecord]) -> None:

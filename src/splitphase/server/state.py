@@ -38,7 +38,10 @@ class ServerState:
         self.metrics = ServerMetrics(config.model_id, hardware, _dtype(llm, self.model_dir),
                                      config.utilization_window_s, config.kv_cache_dtype,
                                      (llm.engine.kv_block_size, llm.engine.kv_pool_blocks),
-                                     config.enable_prefix_caching)
+                                     config.enable_prefix_caching,
+                                     {"policy": config.policy,
+                                      "max_num_seqs": str(config.max_num_seqs),
+                                      "max_num_batched_tokens": str(config.max_num_batched_tokens)})
         self.engine = AsyncEngine(llm.engine, on_steps=self.metrics.on_steps,
                                   max_step_records=config.max_step_records)
         self.max_model_len = int(llm.engine.max_model_len)

@@ -107,6 +107,7 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "concurrent_streams": {"type": "boolean"},
                 "kv_pool_tokens": {"type": ["integer", "null"], "minimum": 1},
                 "preemptions": {"type": ["integer", "null"], "minimum": 0},
+                "max_num_seqs": {"type": ["integer", "null"], "minimum": 1},
             },
         },
         "hardware": {

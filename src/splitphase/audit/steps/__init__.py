@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitphase.audit.steps.cost import Cost, Workload, cost
-from splitphase.audit.steps.optimizations import Optimization, optimizations
+from splitphase.audit.steps.optimizations import (
+    NOT_STATED,
+    Optimization,
+    ServingLimits,
+    optimizations,
+)
 from splitphase.audit.steps.profile import Profile, Stats, profile
 from splitphase.audit.steps.utilization import (
     GAP_THRESHOLD,
@@ -33,7 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GAP_THRESHOLD", "AuditResult", "Bottleneck", "Cost", "Optimization", "PhaseLevel",
-    "PhaseResult", "Profile", "Stats", "Utilization", "Workload", "bottleneck", "cost",
+    "PhaseResult", "Profile", "ServingLimits", "Stats", "Utilization", "Workload", "bottleneck",
+    "cost",
     "optimizations", "profile", "run_steps", "utilization",
 ]
 
@@ -58,11 +64,11 @@ def run_steps(
     policy_results: Sequence[PolicyResult] = (),
     current_policy: str | None = None,
     kv_dtype_bytes: int | None = None,
-    kv_pool_tokens: int | None = None,
+    limits: ServingLimits = NOT_STATED,
 ) -> AuditResult:
     """Steps 1 to 5 in order (policy_results: our engine re-run under each batching policy;
-    kv_dtype_bytes: the target's K/V cache width, None for the model's; kv_pool_tokens: the
-    tokens its K/V pool holds, None if it does not say)."""
+    kv_dtype_bytes: the target's K/V cache width, None for the model's; limits: the pool and
+    sequence limit it states)."""
     prof = profile(traces)
     util = utilization(prof, cfg, hw, kv_dtype_bytes)
     return AuditResult(
@@ -70,6 +76,6 @@ def run_steps(
         bottleneck=bottleneck(util, hw),
         utilization=util,
         optimizations=optimizations(prof, util, cfg, hw, policy_results, current_policy,
-                                    kv_pool_tokens),
+                                    limits),
         cost=cost(util, price_usd_per_hour, workload),
     )

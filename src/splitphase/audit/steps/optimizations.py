@@ -29,6 +29,17 @@ MEMORY_HEADROOM = 0.9  # share of device memory weights + KV may fill (activatio
 
 
 @dataclass(frozen=True)
+class ServingLimits:
+    """What the target is configured to hold, where it says (None: not stated)."""
+
+    kv_pool_tokens: int | None = None  # tokens its K/V pool holds
+    max_num_seqs: int | None = None  # sequences it runs at once
+
+
+NOT_STATED = ServingLimits()
+
+
+@dataclass(frozen=True)
 class Optimization:
     """One recommendation: what changes, its evidence, and the metric before and after."""
 
@@ -99,10 +110,11 @@ def interference(prof: Profile, util: Utilization) -> Optimization:
 
 
 def larger_decode_batch(
-    util: Utilization, cfg: ModelConfig, hw: HardwareSpec, kv_pool_tokens: int | None = None
+    util: Utilization, cfg: ModelConfig, hw: HardwareSpec,
+    limits: ServingLimits = NOT_STATED,
 ) -> Optimization:
     """Decode tokens/s at the largest batch that fits in memory, up to the ridge point; where
-    the target's K/V pool is known and holds fewer streams, the detail says so."""
+    the target's configured pool or sequence limit holds fewer streams, the detail says so."""
     lv = util.decode.headline
     context = max(1, round(lv.context_tokens))
     weights_b = fl.param_count(cfg) * cfg.dtype_bytes
@@ -121,21 +133,29 @@ def larger_decode_batch(
         f"batch {batch} -> {target} streams at {context} cached tokens each (memory holds "
         f"{max(fits, 0)}): weights are read once per step for every stream, so tokens/s grow "
         f"almost linearly while decode stays memory-bound"
-    ) + _pool_note(kv_pool_tokens, context, target)
+    ) + _limits_note(limits, context, target)
     return Optimization("larger decode batch", "decode", "projected", target > batch,
                         "decode tokens/s (all streams)", "tokens/s", lv.tokens_per_s, after, detail)
 
 
-def _pool_note(pool_tokens: int | None, context: int, target: int) -> str:
-    """What the target's configured pool holds, when it is what stops the batch short."""
-    held = None if pool_tokens is None else pool_tokens // (context + 1)
-    if held is None or held >= target:
-        return ""
-    return (
-        f"; the target's K/V pool holds {pool_tokens:,} tokens, about {held} such streams: past "
-        "that it needs a larger pool (vLLM --gpu-memory-utilization or --kv-cache-memory-bytes, "
-        "SGLang --mem-fraction-static, splitphase serve --kv-cache-bytes)"
-    )
+def _limits_note(limits: ServingLimits, context: int, target: int) -> str:
+    """What the target's configuration holds, where that stops the batch short of `target`."""
+    note = ""
+    pool = limits.kv_pool_tokens
+    if pool is not None and pool // (context + 1) < target:
+        note += (
+            f"; the target's K/V pool holds {pool:,} tokens, about {pool // (context + 1)} such "
+            "streams: past that it needs a larger pool (vLLM --gpu-memory-utilization or "
+            "--kv-cache-memory-bytes, SGLang --mem-fraction-static, splitphase serve "
+            "--kv-cache-bytes)"
+        )
+    seqs = limits.max_num_seqs
+    if seqs is not None and seqs < target:
+        note += (
+            f"; it runs at most {seqs} sequences at once: past that raise --max-num-seqs "
+            "(SGLang --max-running-requests)"
+        )
+    return note
 
 
 def moe_decode_top_k(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> Optimization:
@@ -261,7 +281,7 @@ def batching_policy(results: Sequence[PolicyResult], current: str | None) -> Opt
 def optimizations(
     prof: Profile, util: Utilization, cfg: ModelConfig, hw: HardwareSpec,
     policy_results: Sequence[PolicyResult] = (), current_policy: str | None = None,
-    kv_pool_tokens: int | None = None,
+    limits: ServingLimits = NOT_STATED,
 ) -> list[Optimization]:
     """Step 4: every optimization, most promising (largest speedup) first."""
     any_measured = any(r.measured for r in policy_results)
@@ -275,7 +295,7 @@ def optimizations(
     found = [
         *by_policy,
         inter,
-        larger_decode_batch(util, cfg, hw, kv_pool_tokens),
+        larger_decode_batch(util, cfg, hw, limits),
         moe_decode_top_k(util, cfg, hw),
         dual_flow_decode(util, cfg, hw),
         shallower_prefill(util, cfg, hw),

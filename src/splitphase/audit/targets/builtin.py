@@ -141,6 +141,9 @@ def run_on_engine(
     return [traces[i] for i in range(len(requests))]
 
 
+MAX_NUM_SEQS = 64  # as `splitphase serve`'s default
+
+
 class BuiltinTarget:
     """Our model in-process (an embedded name or a checkpoint directory)."""
 
@@ -167,11 +170,13 @@ class BuiltinTarget:
 
             # Two worker processes; their K/V crosses torch.distributed like on two hosts.
             self._engine = DisaggregatedEngine.launch(
-                model, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
+                model, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=max_num_batched_tokens,
                 kv_cache_dtype=kv_cache_dtype)
         elif runner is None:
             self._engine = LLMEngine(self._model, self._tok, EngineConfig(
-                policy=policy, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
+                policy=policy, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=max_num_batched_tokens,
                 kv_cache_dtype=kv_cache_dtype))
         self.policy = policy
         # A custom runner keeps K/V at the model's dtype (the reference model's own cache).
@@ -193,6 +198,7 @@ class BuiltinTarget:
             "policy": self.policy if self._engine is not None else None,
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_pool_tokens": self._pool_tokens(),
+            "max_num_seqs": MAX_NUM_SEQS if self._engine is not None else None,
             "preemptions": self._preemptions if self._engine is not None else None,
             "server_metrics": False,
         }

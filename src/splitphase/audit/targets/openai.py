@@ -73,6 +73,7 @@ class OpenAITarget:
         self.metrics = self._samples(text) is not None
         self.kv_cache_dtype = prometheus.cache_dtype(text) if text is not None else None
         self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
+        self.max_num_seqs = prometheus.max_num_seqs(text) if text is not None else None
         if self.kv_cache_dtype is None:  # SGLang states its cache in its server info instead
             self._read_server_info()
         self.preemptions: int | None = None  # over the probe, where the server counts them
@@ -145,9 +146,11 @@ class OpenAITarget:
         dtype = info.get("kv_cache_dtype")
         if isinstance(dtype, str):
             self.kv_cache_dtype = SGLANG_CACHE_DTYPES.get(dtype, dtype)
-        tokens = info.get("max_total_num_tokens")
-        if self.kv_pool_tokens is None and isinstance(tokens, int) and tokens > 0:
-            self.kv_pool_tokens = tokens
+        for attr, key in (("kv_pool_tokens", "max_total_num_tokens"),
+                          ("max_num_seqs", "max_running_requests")):
+            value = info.get(key)
+            if getattr(self, attr) is None and isinstance(value, int) and value > 0:
+                setattr(self, attr, value)
 
     def _metrics_text(self) -> str | None:
         try:
@@ -179,6 +182,7 @@ class OpenAITarget:
             # As /metrics (or SGLang's server info) states them; None: not stated.
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_pool_tokens": self.kv_pool_tokens,
+            "max_num_seqs": self.max_num_seqs,
             "preemptions": self.preemptions,
         }
 

@@ -53,15 +53,18 @@ GENERATION_TOKENS = (
 # rank (each holds every token's share).
 CACHE_CONFIG_INFO = ("splitphase:cache_config_info", "vllm:cache_config_info")
 POOL_TOKENS = "sglang:max_total_num_tokens"
+# How many sequences run at once: our info metric's label, SGLang's gauge (vLLM states none).
+SCHEDULER_CONFIG_INFO = "splitphase:scheduler_config_info"
+MAX_RUNNING = "sglang:max_running_requests"
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"]*)"')
 
 
-def _cache_config(text: str) -> dict[str, str]:
-    """The labels of the first cache_config_info sample ({} when there is none)."""
+def _info_labels(text: str, names: tuple[str, ...] = CACHE_CONFIG_INFO) -> dict[str, str]:
+    """The labels of the first sample of an info metric ({} when there is none)."""
     for line in text.splitlines():
-        if line.split("{", 1)[0].strip() in CACHE_CONFIG_INFO and "{" in line:
+        if line.split("{", 1)[0].strip() in names and "{" in line:
             return dict(_LABEL.findall(line.split("{", 1)[1].rsplit("}", 1)[0]))
     return {}
 
@@ -69,7 +72,7 @@ def _cache_config(text: str) -> dict[str, str]:
 def cache_dtype(text: str) -> str | None:
     """The K/V cache dtype a server's /metrics states ("auto": the model's), or None.
     vLLM's fp8 variants (fp8_inc, fp8_ds_mla, ...) all store one byte: they read as "fp8"."""
-    value = _cache_config(text).get("cache_dtype")
+    value = _info_labels(text).get("cache_dtype")
     if value is not None and value.startswith("fp8") and value not in ("fp8_e4m3", "fp8_e5m2"):
         return "fp8"
     return value
@@ -85,12 +88,18 @@ def _positive_int(value: str | float | None) -> int | None:
 
 def kv_pool_tokens(text: str) -> int | None:
     """Tokens the server's K/V pool holds (blocks x block size), or None if it does not say."""
-    labels = _cache_config(text)
+    labels = _info_labels(text)
     block_size = _positive_int(labels.get("block_size"))
     blocks = _positive_int(labels.get("num_gpu_blocks"))
     if block_size and blocks:
         return block_size * blocks
     return _positive_int(_gauge(text, POOL_TOKENS))
+
+
+def max_num_seqs(text: str) -> int | None:
+    """Sequences the server runs at once, where its /metrics says."""
+    stated = _info_labels(text, (SCHEDULER_CONFIG_INFO,)).get("max_num_seqs")
+    return _positive_int(stated) or _positive_int(_gauge(text, MAX_RUNNING))
 
 
 def _gauge(text: str, name: str) -> float | None:
