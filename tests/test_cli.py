@@ -20,6 +20,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         (["train", "--preset", "huge", "--out", "/tmp/x"], "unknown preset 'huge'"),
         (["eval", "--model", "/nonexistent/dir"], "no model"),
         (["generate", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["generate", "--prompt", "hi", "--max-num-batched-tokens", "8"],
+         "max_num_batched_tokens (8) must be >= max_num_seqs (64)"),
     ],
 )
 def test_user_errors_are_one_line_exit_2(args, message):

@@ -38,3 +38,11 @@ def test_generate_from_embedded_model_is_text(capsys):
     out = doc["outputs"][0]
     assert out["finish_reason"] in ("length", "stop") and out["text"].strip()
     assert doc["summary"]["phases"]["prefill"]["prefill_tokens"] > 0
+    # The engine flags serve has: the same greedy text from blocks of 8 without prefix caching.
+    args = ["generate", "--prompt", "In the beginning", "--max-tokens", "12", "--json",
+            "--temperature", "0"]
+    assert main(args) == 0
+    greedy = json.loads(capsys.readouterr().out)["outputs"][0]["text"]
+    assert main([*args, "--block-size", "8", "--no-enable-prefix-caching", "--max-model-len",
+                 "64", "--kv-cache-bytes", "4MiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["text"] == greedy

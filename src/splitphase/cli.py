@@ -12,22 +12,6 @@ from splitphase.errors import UserError
 Handler = Callable[[argparse.Namespace], None]
 
 
-_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def byte_count(text: str) -> int:
-    """"4000000000", "4G", "3.5GiB", "512Mi" -> bytes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti)."""
-    raw = text.replace(" ", "").lower().removesuffix("b")
-    unit = raw.lstrip("0123456789.e+")
-    try:
-        value = float(raw[: len(raw) - len(unit)]) * _BYTE_UNITS[unit]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a byte count (e.g. 4000000000, 4G, 3.5GiB)") from None
-    return int(value)
-
-
 def _demo(args: argparse.Namespace) -> None:
     from splitphase.commands.audit import demo
 
@@ -68,6 +52,7 @@ def _export_gguf(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from splitphase.commands.engine_args import engine_kwargs
     from splitphase.commands.generate import generate
 
     prompts = list(args.prompt or [])
@@ -79,12 +64,12 @@ def _generate(args: argparse.Namespace) -> None:
             raise UserError(f"cannot read --prompts-file: {exc}") from exc
     if not prompts:
         raise UserError("give --prompt TEXT or --prompts-file FILE")
-    generate(
-        args.model, prompts, args.max_tokens, args.temperature, args.seed, args.json, args.policy
-    )
+    generate(args.model, prompts, args.max_tokens, args.temperature, args.seed, args.json,
+             args.policy, engine_kwargs(args))
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from splitphase.commands.engine_args import engine_kwargs
     from splitphase.commands.serve import serve
     from splitphase.server.config import ServerConfig
 
@@ -93,10 +78,7 @@ def _serve(args: argparse.Namespace) -> None:
         policy=args.policy,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
+        **engine_kwargs(args),
         seed=args.seed,
         max_queue=args.max_queue,
         hardware=args.hardware,
@@ -106,15 +88,12 @@ def _serve(args: argparse.Namespace) -> None:
         health_stall_s=args.health_stall_timeout,
         engine_process=args.engine_process,
         compile=tuple(p for p in (args.compile or "").split(",") if p),
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_model_len=args.max_model_len,
     )
     serve(config, args.host, args.port, args.log_level)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from splitphase.engine.config import KV_CACHE_DTYPES
+    from splitphase.commands.engine_args import add_engine_arguments
     from splitphase.server.config import serve_policies
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with per-phase metrics")
@@ -125,14 +104,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set "
                     "$SPLITPHASE_API_KEY, which keeps it out of the process list)")
-    sv.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
-    sv.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                    help="tokens one step may carry (chunked: the prefill chunk budget)")
-    sv.add_argument("--block-size", type=int, default=16, help="tokens per K/V cache block")
-    sv.add_argument("--max-model-len", type=int, help="longest prompt plus output a request "
-                    "may have (default: the model's max_seq_len, or what the pool holds)")
-    sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                    default=True, help="reuse the K/V blocks of a prompt prefix seen before")
+    add_engine_arguments(sv)
     sv.add_argument("--seed", type=int, default=0,
                     help="sampling seed of requests that give none")
     sv.add_argument("--max-queue", type=int, default=1024,
@@ -154,13 +126,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                     metavar="PHASES", help="run the model's passes through torch.compile: "
                     "prefill, decode or prefill,decode (the default when given alone); see "
                     "README \"torch.compile\" for where it helps")
-    sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                    help="dtype of the paged K/V pool (auto: the model's); bfloat16 under an "
-                    "fp32 model holds twice the tokens in the same memory")
-    sv.add_argument("--kv-cache-bytes", "--kv-cache-memory-bytes", type=byte_count,
-                    metavar="BYTES", help="memory of the K/V pool, e.g. 4G or 3.5GiB (the "
-                    "second name is vLLM's; default: a quarter of free memory, at most what "
-                    "--max-num-seqs full-length sequences use)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_serve)
 
@@ -296,18 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(sub)
     _add_plan(sub)
 
+    from splitphase.commands.engine_args import add_engine_arguments
+
     gen = sub.add_parser("generate", help="generate text and print per-phase timing")
     gen.add_argument("--model", default="small", help="embedded model name or checkpoint dir")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed of every prompt")
     gen.add_argument(
         "--policy", default="chunked", choices=["mixed", "chunked", "disaggregated"],
         help="batching policy of the engine",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     _add_serve(sub)
 

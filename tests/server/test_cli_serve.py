@@ -131,6 +131,8 @@ def test_engine_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(ValueError, match="must be >= 1"):
             ServerConfig(**bad)
     _one_line(_serve("--max-num-batched-tokens", "8", "--port", "0"),
-              "--max-num-batched-tokens (8) must be >= --max-num-seqs (64)")
+              "max_num_batched_tokens (8) must be >= max_num_seqs (64)")
+    with pytest.raises(ValueError, match="max_num_batched_tokens .8. must be >= max_num_seqs"):
+        ServerConfig(policy="disaggregated", max_num_batched_tokens=8)  # before any worker
     _one_line(_serve("--max-model-len", "100000", "--port", "0"),  # from the engine process
               "max_model_len 100000 is more than the model's max_seq_len")

@@ -59,10 +59,12 @@ def generate(
     seed: int | None,
     as_json: bool,
     policy: str = "chunked",
+    engine: dict[str, Any] | None = None,
 ) -> None:
-    """Print completions and per-phase timing (or one JSON object)."""
+    """Print completions and per-phase timing (or one JSON object); `engine`: EngineConfig
+    fields beside the policy."""
     params = _params(max_tokens, temperature, seed)
-    llm = LLM(model_name, policy=policy)
+    llm = LLM(model_name, policy=policy, **(engine or {}))
     t0 = time.perf_counter()
     completions = llm.generate(prompts, params)
     summary = summarize(llm.steps, completions, time.perf_counter() - t0)

@@ -68,6 +68,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise UserError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                            f"max_num_seqs ({self.max_num_seqs}): every running sequence "
+                            "decodes in the same step")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise UserError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from splitphase.engine.config import COMPILE_PHASES, KV_CACHE_DTYPES
+from splitphase.engine.config import COMPILE_PHASES, KV_CACHE_DTYPES, EngineConfig
 from splitphase.errors import UserError
 
 MAX_BODY_BYTES = 4 * 2**20  # 4 MiB: a batch of 2k-token prompts is far smaller; a book is not
@@ -67,10 +67,6 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
-                            f"--max-num-seqs ({self.max_num_seqs}): every running sequence "
-                            "decodes in the same step")
         if self.max_queue < 0:
             raise UserError(f"--max-queue must be >= 0, got {self.max_queue}")
         for name in ("shutdown_timeout_s", "health_stall_s", "utilization_window_s"):
@@ -88,6 +84,10 @@ class ServerConfig:
                             f"got {self.kv_cache_dtype!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key must not be empty (omit it to serve without a key)")
+        # The rest of the engine's checks (how its fields go together), before any process
+        # starts; a pair's workers each build one as a role, and either role checks the same.
+        role = "decode" if self.policy == "disaggregated" else None
+        EngineConfig(**self.engine_kwargs(), role=role)
 
     @property
     def model_id(self) -> str:
