@@ -100,15 +100,17 @@ def element_bytes(width: int) -> str:
     return f"{width} byte{'s' if width > 1 else ''}/element"
 
 
-def kv_cache(doc: dict[str, Any]) -> str:
-    """", K/V cache fp8 (1 byte/element), pool 81,920 tokens": the width decode bytes were
-    priced at ("" if unknown) and the pool's size where the target states it."""
+def cache_and_limits(doc: dict[str, Any]) -> str:
+    """", K/V cache fp8 (1 byte/element), pool 81,920 tokens, at most 256 sequences": the width
+    decode bytes were priced at ("" if unknown), and the pool's size and the limit on
+    sequences at once where the target states them."""
     width = doc["model"].get("kv_dtype_bytes")
     if width is None:
         return ""
     name = doc["target"].get("kv_cache_dtype")
     if name in (None, "auto"):
         name = doc["model"]["config"].get("dtype", "model dtype")
-    pool = doc["target"].get("kv_pool_tokens")
-    held = f", pool {pool:,} tokens" if pool else ""
+    pool, seqs = doc["target"].get("kv_pool_tokens"), doc["target"].get("max_num_seqs")
+    held = (f", pool {pool:,} tokens" if pool else "") + (
+        f", at most {seqs} sequences" if seqs else "")
     return f", K/V cache {name} ({element_bytes(width)}){held}"

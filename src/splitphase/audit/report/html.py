@@ -275,7 +275,7 @@ def render_html(doc: dict[str, Any], plots: dict[str, str]) -> str:
     t, hw, model = doc["target"], doc["hardware"], doc["model"]
     meta = (
         f"{t['spec']} · {hw['name']} ({hw['dtype']}) · model {model['name']} "
-        f"({model['param_count']:,} parameters{fmt.kv_cache(doc)}) · "
+        f"({model['param_count']:,} parameters{fmt.cache_and_limits(doc)}) · "
         f"{doc.get('generated_at', '')}"
     )
     summary = "".join(

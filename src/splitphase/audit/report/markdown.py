@@ -73,7 +73,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     head = (
         f"# splitphase audit: {t['spec']}\n\n"
         f"{hw['name']} ({hw['dtype']}), model {model['name']} "
-        f"({model['param_count']:,} parameters{fmt.kv_cache(doc)}), "
+        f"({model['param_count']:,} parameters{fmt.cache_and_limits(doc)}), "
         f"{doc.get('generated_at', '')}\n\n"
         + "".join(f"- {line}\n" for line in doc["summary"])
         + "\n"
