@@ -32,4 +32,5 @@ def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:
     blocks = 515_000 // kv_bytes_per_block(read_config(tiny_ckpt)[0], 8, 2)
     assert doc["target"]["kv_pool_tokens"] == blocks * 8 == 2008
     assert doc["target"]["max_num_seqs"] == 64 and doc["target"]["preemptions"] == 0
+    assert doc["target"]["policy"] == "chunked"  # serve's default, as /metrics states it
     assert "pool 2,008 tokens, at most 64 sequences" in (tmp_path / "report.md").read_text()

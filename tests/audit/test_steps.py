@@ -17,6 +17,7 @@ from splitphase.audit.steps import (
 from splitphase.audit.steps.optimizations import (
     batching_policy,
     dual_flow_decode,
+    interference,
     larger_decode_batch,
     moe_decode_top_k,
     narrower_kv_cache,
@@ -168,6 +169,17 @@ def test_interference_spike_is_measured() -> None:
     assert prof.interference.baseline_itl_s == pytest.approx(ITL_S)
     assert prof.interference.max_itl_s == pytest.approx(0.2 + ITL_S)
     assert prof.interference.spike > 1.5
+    util = utilization(prof, LLAMA8B, HW)
+    batched = interference(prof, util)
+    assert batched.applicable and "chunked prefill (Sarathi-Serve)" in batched.detail
+    # A target that states it is disaggregated already splits the batches: what stalls it is
+    # hardware its workers share.
+    split = interference(prof, util, "disaggregated")
+    assert split.applicable and (split.before, split.after) == (batched.before, batched.after)
+    assert "worker of its own" in split.detail and "Sarathi" not in split.detail
+    row = next(o for o in optimizations(prof, util, LLAMA8B, HW, (), "disaggregated")
+               if o.name == "isolate prefill from decode")
+    assert row.detail == split.detail
 
 
 def test_projected_optimizations_use_the_cost_model() -> None:

@@ -238,6 +238,8 @@ def test_prometheus_max_num_seqs_from_ours_and_sglang() -> None:
     ours = ('splitphase:scheduler_config_info{max_num_batched_tokens="2048",max_num_seqs="64",'
             'model_name="m",policy="chunked"} 1.0\n')
     assert prometheus.max_num_seqs(METRICS + ours) == 64
+    assert prometheus.scheduler_policy(ours) == "chunked"
+    assert prometheus.scheduler_policy(METRICS) is None
     sglang = 'sglang:max_running_requests{model_name="m",tp_rank="0"} 4096\n'
     assert prometheus.max_num_seqs(METRICS + sglang) == 4096
     assert prometheus.max_num_seqs(METRICS) is None  # vLLM states none

@@ -74,8 +74,21 @@ def _decode(cfg: ModelConfig, util: Utilization, context_lens: list[int]) -> fl.
     return fl.decode_cost(cfg, context_lens, cfg.dtype_bytes, kv_dtype_bytes=util.kv_dtype_bytes)
 
 
-def interference(prof: Profile, util: Utilization) -> Optimization:
-    """Does a long prefill stall running streams? Measured when the probe ran, else projected."""
+def _stall_cause(stalls: bool, current_policy: str | None) -> str:
+    if not stalls:
+        return "prefill is already kept off the decode path"
+    if current_policy == "disaggregated":  # stated by the target: no shared batches to split
+        return ("prefill already runs on a worker of its own, so what remains is contention for "
+                "hardware both workers share (cores, memory bandwidth): separate devices "
+                "remove it")
+    return ("prefill is batched with decode; chunked prefill (Sarathi-Serve) or disaggregated "
+            "prefill and decode (DistServe, Splitwise) keeps decode near its baseline")
+
+
+def interference(prof: Profile, util: Utilization, current_policy: str | None = None
+                 ) -> Optimization:
+    """Does a long prefill stall running streams? Measured when the probe ran, else projected.
+    `current_policy`: the target's batching policy where it states it."""
     inter = prof.interference
     step_s = util.decode.headline.seconds
     if inter is not None:
@@ -84,10 +97,7 @@ def interference(prof: Profile, util: Utilization) -> Optimization:
             f"while {inter.inject_prompt_tokens:.0f}-token prompts were prefilled, running "
             f"streams' inter-token latency went from {inter.baseline_itl_s * 1e3:.1f} ms to "
             f"{inter.during_prefill_itl_s * 1e3:.1f} ms (mean over p50, {inter.spike:.2f}x; worst "
-            f"{inter.max_itl_s * 1e3:.1f} ms): "
-            + ("prefill is batched with decode; chunked prefill (Sarathi-Serve) or disaggregated "
-               "prefill and decode (DistServe, Splitwise) keeps decode near its baseline"
-               if stalls else "prefill is already kept off the decode path")
+            f"{inter.max_itl_s * 1e3:.1f} ms): " + _stall_cause(stalls, current_policy)
         )
         return Optimization(
             "isolate prefill from decode", "decode", "measured", stalls, "mean inter-token "
@@ -286,7 +296,7 @@ def optimizations(
     """Step 4: every optimization, most promising (largest speedup) first."""
     any_measured = any(r.measured for r in policy_results)
     by_policy = [batching_policy(policy_results, current_policy)] if any_measured else []
-    inter = interference(prof, util)
+    inter = interference(prof, util, current_policy)
     if by_policy:
         # Isolation's "after" is the no-prefill baseline, an ideal; where every policy of the
         # engine was measured, what isolating achieves here is that row's, not this one's.

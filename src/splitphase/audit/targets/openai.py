@@ -74,6 +74,7 @@ class OpenAITarget:
         self.kv_cache_dtype = prometheus.cache_dtype(text) if text is not None else None
         self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
         self.max_num_seqs = prometheus.max_num_seqs(text) if text is not None else None
+        self.policy = prometheus.scheduler_policy(text) if text is not None else None
         if self.kv_cache_dtype is None:  # SGLang states its cache in its server info instead
             self._read_server_info()
         self.preemptions: int | None = None  # over the probe, where the server counts them
@@ -183,6 +184,7 @@ class OpenAITarget:
             "kv_cache_dtype": self.kv_cache_dtype,
             "kv_pool_tokens": self.kv_pool_tokens,
             "max_num_seqs": self.max_num_seqs,
+            "policy": self.policy,  # the batching policy, where the server states it
             "preemptions": self.preemptions,
         }
 

@@ -96,6 +96,11 @@ def kv_pool_tokens(text: str) -> int | None:
     return _positive_int(_gauge(text, POOL_TOKENS))
 
 
+def scheduler_policy(text: str) -> str | None:
+    """The batching policy our server states (mixed, chunked, disaggregated), or None."""
+    return _info_labels(text, (SCHEDULER_CONFIG_INFO,)).get("policy")
+
+
 def max_num_seqs(text: str) -> int | None:
     """Sequences the server runs at once, where its /metrics says."""
     stated = _info_labels(text, (SCHEDULER_CONFIG_INFO,)).get("max_num_seqs")
