@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 
 # Candidates per phase, first match wins. vLLM and ours have explicit prefill/decode histograms;
 # SGLang has queue, TTFT and inter-token latency, so its prefill is TTFT minus queue.
@@ -109,28 +110,25 @@ def max_num_seqs(text: str) -> int | None:
 
 def _gauge(text: str, name: str) -> float | None:
     """The largest sample of one metric over its label sets (ranks state the same pool)."""
-    values = []
-    for line in text.splitlines():
-        match = _LINE.match(line.strip())
-        if match and match.group(1) == name:
-            try:
-                values.append(float(match.group(3)))
-            except ValueError:
-                continue
-    return max(values, default=None)
+    return max((value for sample, value in _sample_lines(text) if sample == name), default=None)
 
 
-def _parse_small(text: str) -> dict[str, float]:
-    samples: dict[str, float] = {}
+def _sample_lines(text: str) -> Iterator[tuple[str, float]]:
+    """(name, value) of each sample line of the text exposition; comments and junk skipped."""
     for line in text.splitlines():
         match = _LINE.match(line.strip())
         if line.startswith("#") or not match:
             continue
         try:
-            value = float(match.group(3))
+            yield match.group(1), float(match.group(3))
         except ValueError:
             continue
-        samples[match.group(1)] = samples.get(match.group(1), 0.0) + value
+
+
+def _parse_small(text: str) -> dict[str, float]:
+    samples: dict[str, float] = {}
+    for name, value in _sample_lines(text):
+        samples[name] = samples.get(name, 0.0) + value
     return samples
 
 
