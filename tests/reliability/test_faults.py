@@ -170,9 +170,13 @@ def test_killed_decode_worker_fails_fast_then_is_restarted(disagg: ServerProcess
                 stream_request(client, disagg.url + "/v1/completions", {**LONG, "seed": i})
                 for i in range(3))))
 
+    # The server is the module's: its counter already holds the earlier tests' tokens, so
+    # wait for these streams' own (the kill must land while they run).
+    before = scrape(disagg.url)["generation_tokens_total"]
     runner = threading.Thread(target=lambda: asyncio.run(streams()))
     runner.start()
-    wait_for(lambda: scrape(disagg.url)["generation_tokens_total"], lambda n: n >= 3, 30)
+    wait_for(lambda: scrape(disagg.url)["generation_tokens_total"], lambda n: n >= before + 3,
+             30)
     os.kill(old_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     unhealthy, _ = wait_for(lambda: httpx.get(disagg.url + "/health", timeout=10),
