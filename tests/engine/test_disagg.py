@@ -136,6 +136,12 @@ def test_seeded_sampling_matches_mixed(pair, mixed):
     # the test above, finds its two full blocks in the prefill worker's prefix cache.
     longest = outs[2].request
     assert longest.prefill_len == 41 and 32 <= longest.num_cached_tokens <= 40
+    # The server counts lookups from the steps: the prefill worker's admissions only (the
+    # decode worker's find K/V a transfer can skip, not a prompt the cache answers).
+    looked_up = {role: sum(s.prefix_cache_queries_tokens for s in pair.steps if s.role == role)
+                 for role in ("prefill", "decode")}
+    assert looked_up["prefill"] >= sum(map(len, PROMPTS)) and looked_up["decode"] == 0
+    assert sum(s.prefix_cache_hits_tokens for s in pair.steps) >= 32
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "kv_bytes"), [("bfloat16", 2), ("fp8", 1)])

@@ -75,6 +75,12 @@ def test_greedy_matches_reference(
     assert all(o.finish_reason == "length" for o in outs)
     if num_blocks == 6:
         assert any(o.request.num_preemptions > 0 for o in outs)
+    # The steps carry what the server counts as it happens: each preemption once, and each
+    # admission's lookup (a preempted request's again) where the engine caches prefixes.
+    steps = engine.steps
+    assert sum(s.num_preemptions for s in steps) == sum(o.request.num_preemptions for o in outs)
+    queries = sum(s.prefix_cache_queries_tokens for s in steps)
+    assert queries >= sum(map(len, PROMPTS)) if prefix_caching else queries == 0
     assert engine.scheduler.block_manager.num_used_blocks == 0
     engine.scheduler.block_manager.check_invariants()
 
@@ -98,6 +104,8 @@ def test_shared_prefix_reuses_blocks_and_matches(tiny_model, tokenizer):
     first = _run(engine, prompts[:1])
     second = _run(engine, prompts[1:])
     assert second[0].request.num_cached_tokens == 32
+    assert sum(s.prefix_cache_queries_tokens for s in engine.steps) == 42 + 43
+    assert sum(s.prefix_cache_hits_tokens for s in engine.steps) == 32
     assert first[0].token_ids == tiny_model.generate(prompts[0], 12)
     assert second[0].token_ids == tiny_model.generate(prompts[1], 12)
 

@@ -1,4 +1,4 @@
-"""ServerMetrics alone: what one finished request adds to the counters vLLM dashboards read."""
+"""ServerMetrics alone: what steps and finished requests add to the counters dashboards read."""
 
 from __future__ import annotations
 
@@ -16,24 +16,21 @@ def _samples(metrics: ServerMetrics) -> dict[str, float]:
             and s.name.endswith("_total")}
 
 
-def test_preemptions_and_prefix_cache_tokens_count_as_requests_finish() -> None:
+def test_preemptions_and_prefix_cache_tokens_count_as_steps_happen() -> None:
     metrics = ServerMetrics("m", None, "float32")
     assert _samples(metrics) == {"splitphase:num_preemptions_total": 0.0,
                                  "splitphase:prefix_cache_queries_total": 0.0,
                                  "splitphase:prefix_cache_hits_total": 0.0}
-    twice = Request("a", list(range(1, 41)), num_preemptions=2, num_cached_tokens=32)
-    twice.prefill_len = 48  # its latest prefill: the prompt and 8 tokens it had made
-    metrics.observe_finished("length", twice, 1.0)
-    logprobs = Request("b", list(range(1, 21)), use_prefix_cache=False)  # never looked up
-    logprobs.prefill_len = 20
-    metrics.observe_finished("stop", logprobs, 1.0)
-    metrics.observe_finished("abort", None, 1.0)  # never reached the engine
+    # Two steps of requests still running: the counters move before any request finishes.
+    metrics.on_steps([StepRecord(0, "prefill", 48, 0, 0.1, 1.0, 1.0, 0.0, 0, 48, 32),
+                      StepRecord(1, "decode", 0, 3, 0.1, 1.0, 1.0, 0.0, 2, 0, 0)])
     assert _samples(metrics) == {"splitphase:num_preemptions_total": 2.0,
                                  "splitphase:prefix_cache_queries_total": 48.0,
                                  "splitphase:prefix_cache_hits_total": 32.0}
-    uncached = ServerMetrics("m", None, "float32", prefix_caching=False)  # the engine's switch
-    uncached.observe_finished("length", twice, 1.0)
-    assert _samples(uncached)["splitphase:prefix_cache_queries_total"] == 0
+    finished = Request("a", list(range(1, 41)), num_preemptions=2, num_cached_tokens=32)
+    metrics.observe_finished("length", finished, 1.0)
+    metrics.observe_finished("abort", None, 1.0)  # never reached the engine
+    assert _samples(metrics)["splitphase:num_preemptions_total"] == 2  # not counted twice
 
 
 def test_step_and_request_token_histograms() -> None:

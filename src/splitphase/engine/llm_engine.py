@@ -70,6 +70,9 @@ class StepRecord:
     # perf_counter at the step's start (comparable within one process): with the next step's
     # start it gives the loop's own cadence, host work between steps included.
     started_s: float = 0.0
+    num_preemptions: int = 0  # requests preempted while this step was planned
+    prefix_cache_queries_tokens: int = 0  # admissions' prompt tokens looked up in the cache
+    prefix_cache_hits_tokens: int = 0  # of those, tokens found computed
 
 
 @dataclass
@@ -347,6 +350,9 @@ class LLMEngine:
                 cost.flops,
                 cost.bytes,
                 started_s,
+                len(out.preempted_request_ids),
+                out.prefix_cache_queries_tokens,
+                out.prefix_cache_hits_tokens,
             )
         )
 

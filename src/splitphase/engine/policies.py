@@ -114,6 +114,9 @@ class SchedulerOutput:
     block_copies: tuple[tuple[int, int], ...]  # (src, dst) block ids: copy before the forward
     kv_loads: tuple[ScheduledKVLoad, ...]  # decode role only: load before the forward
     block_size: int
+    # Admissions' prefix-cache lookups this step (vLLM's prefix_cache_queries / _hits): tokens.
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -168,6 +171,8 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)
     kv_loads: list[tuple[Request, int]] = field(default_factory=list)  # (request, first uncached)
     preempted: list[Request] = field(default_factory=list)
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
 
     def add_chunk(self, request: Request, num_tokens: int) -> None:
         """Schedule `num_tokens` prompt tokens of `request` from its num_computed_tokens."""
@@ -263,6 +268,9 @@ def admit_waiting(host: PolicyHost, plan: StepPlan, whole_prompts: bool) -> None
         host.waiting.popleft()
         request.num_computed_tokens = cached
         request.num_cached_tokens = cached
+        if bm.enable_prefix_caching and request.use_prefix_cache:
+            plan.prefix_cache_queries_tokens += request.prefill_len
+            plan.prefix_cache_hits_tokens += cached
         host.start_running(request)
         n = request.prefill_len - cached if whole_prompts else plan.chunk_size(request)
         plan.add_chunk(request, n)
@@ -362,6 +370,8 @@ def build_output(
         block_copies,
         loads,
         bm.block_size,
+        plan.prefix_cache_queries_tokens,
+        plan.prefix_cache_hits_tokens,
     )
 
 

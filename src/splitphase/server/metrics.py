@@ -115,7 +115,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, hardware: HardwareSpec | None, dtype: str,
                  window_s: float = 10.0, kv_cache_dtype: str = "auto",
-                 kv_pool: tuple[int, int] | None = None, prefix_caching: bool = True,
+                 kv_pool: tuple[int, int] | None = None,
                  scheduler: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.window_s = window_s
@@ -123,7 +123,6 @@ class ServerMetrics:
         self._steps: deque[tuple[float, StepRecord]] = deque(maxlen=8192)
         self._lock = threading.Lock()
         self._model = model_name
-        self._prefix_caching = prefix_caching  # off: nothing is looked up (vLLM counts 0 too)
         lab = ["model_name"]
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
@@ -164,7 +163,7 @@ class ServerMetrics:
         self.preemptions = counter(p + "num_preemptions", "Preemptions: a request's K/V blocks "
                                    "taken back for others; it recomputes them later.")
         self.prefix_queries = counter(p + "prefix_cache_queries", "Tokens looked up in the "
-                                      "prefix cache (each request's latest prefill).")
+                                      "prefix cache at admission (a preempted request's again).")
         self.prefix_hits = counter(p + "prefix_cache_hits", "Tokens found in the prefix cache.")
         self._success = Counter(p + "request_success", "Finished requests by reason.",
                                 [*lab, "finished_reason"], registry=self.registry)
@@ -200,6 +199,11 @@ class ServerMetrics:
             self._steps.extend((now, s) for s in steps)
         for step in steps:
             self.step_tokens.observe(step.num_prefill_tokens + step.num_decode_seqs)
+            # Counted as the steps happen, as vLLM's; an engine that caches no prefixes looks
+            # nothing up, so its counts stay 0 (vLLM's too).
+            self.preemptions.inc(step.num_preemptions)
+            self.prefix_queries.inc(step.prefix_cache_queries_tokens)
+            self.prefix_hits.inc(step.prefix_cache_hits_tokens)
 
     def observe_finished(self, reason: str, request: Request | None, e2e_s: float) -> None:
         """One finished sequence: its phase times (those it reached) and its reason."""
@@ -207,14 +211,8 @@ class ServerMetrics:
         self.e2e.observe(max(0.0, e2e_s))
         if request is None:
             return
-        # Counted when a request finishes (vLLM counts as they happen): a scrape's totals lag
-        # by the requests still running.
-        self.preemptions.inc(request.num_preemptions)
         self.request_prompt.observe(len(request.prompt_token_ids))
         self.request_output.observe(len(request.output_token_ids))
-        if self._prefix_caching and request.use_prefix_cache:
-            self.prefix_queries.inc(request.prefill_len)
-            self.prefix_hits.inc(min(request.num_cached_tokens, request.prefill_len))
         for hist, value in ((self.queue, request.queue_s), (self.prefill, request.prefill_s),
                             (self.ttft, request.ttft_s), (self.decode, request.decode_s),
                             (self.tpot, request.tpot_s)):

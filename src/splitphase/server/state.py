@@ -38,7 +38,6 @@ class ServerState:
         self.metrics = ServerMetrics(config.model_id, hardware, _dtype(llm, self.model_dir),
                                      config.utilization_window_s, config.kv_cache_dtype,
                                      (llm.engine.kv_block_size, llm.engine.kv_pool_blocks),
-                                     config.enable_prefix_caching,
                                      {"policy": config.policy,
                                       "max_num_seqs": str(config.max_num_seqs),
                                       "max_num_batched_tokens": str(config.max_num_batched_tokens)})
