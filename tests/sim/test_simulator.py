@@ -56,7 +56,7 @@ def test_disaggregation_pays_kv_transfer_on_the_link() -> None:
 
 def test_trace_prefix_hashes_become_cache_hits() -> None:
     reqs = parse_workload(f"trace:{SAMPLE}").with_rate(2).generate(40)
-    cached = {}
+    cached, hit_rate = {}, {}
     for prefix in (False, True):
         cluster = ClusterConfig(colocated=PoolConfig(1, 1, SchedulerConfig(
             policy="chunked", max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=30000,
@@ -64,7 +64,13 @@ def test_trace_prefix_hashes_become_cache_hits() -> None:
         res = simulate(cluster, CFG, HW, reqs)
         replica = res.replicas[0]
         cached[prefix] = replica.busy_s
+        hit_rate[prefix] = summarize(res, SLO(10.0, 1.0), 1.0)["prefix_cache_hit_rate"]
     assert cached[True] < cached[False]  # shared 512-token blocks skip their prefill
+    # The plan states the share: hits over the admissions' lookups, in whole 16-token blocks.
+    replica = res.replicas[0]
+    assert replica.prefix_cache_queries_tokens >= sum(r.prompt_len for r in reqs)
+    assert replica.prefix_cache_hits_tokens % 16 == 0
+    assert hit_rate[False] is None and 0 < hit_rate[True] < 1
 
 
 def test_least_loaded_routing_balances_bursts() -> None:

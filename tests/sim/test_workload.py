@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from splitphase.sim.workload import PRESETS, WorkloadError, load_trace, parse_workload
+from splitphase.sim.workload import (
+    PRESETS,
+    TraceRecord,
+    WorkloadError,
+    load_trace,
+    parse_workload,
+    spread_ties,
+)
 
 SAMPLE = Path(__file__).parent / "mooncake_sample.jsonl"
 
@@ -59,6 +66,28 @@ def test_mooncake_trace_replay_scales_time_and_keeps_hashes() -> None:
     pairs = parse_workload(f"poisson:1,lengths=trace:{SAMPLE}").generate(20)
     assert {(r.prompt_len, r.output_len) for r in pairs} <= {
         (t.prompt_len, t.output_len) for t in trace}
+
+
+def test_requests_sharing_a_tick_arrive_inside_it() -> None:
+    # Mooncake stamps arrivals in 3 s ticks: replayed as stamped, a tick is one burst.
+    trace = load_trace(SAMPLE)
+    ticks = sorted({r.timestamp_s for r in trace})
+    assert len(ticks) < len(trace)
+    resolution_s = min(b - a for a, b in zip(ticks, ticks[1:], strict=False))
+    spread = spread_ties(trace)
+    times = [r.timestamp_s for r in spread]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    for old, new in zip(trace, spread, strict=True):  # same request, inside its own tick
+        assert old.timestamp_s <= new.timestamp_s < old.timestamp_s + resolution_s
+        assert (new.prompt_len, new.hash_ids) == (old.prompt_len, old.hash_ids)
+    assert spread_ties(trace) == spread  # seeded: every plan replays the same arrivals
+    reqs = parse_workload(f"trace:{SAMPLE}").with_rate(1.0).generate(40)
+    assert len({r.arrival_s for r in reqs}) == 40
+    # A trace of one timestamp states no spread; a lone request keeps its time.
+    burst = (TraceRecord(0.0, 10, 5), TraceRecord(0.0, 20, 5))
+    assert spread_ties(burst) == burst
+    lone = (TraceRecord(0.0, 10, 5), TraceRecord(3.0, 20, 5), TraceRecord(3.0, 30, 5))
+    assert spread_ties(lone)[0].timestamp_s == 0.0
 
 
 @pytest.mark.parametrize("spec", [

@@ -67,6 +67,7 @@ def summarize(result: SimResult, slo: SLO, price_usd_per_hour: float) -> dict[st
     span_gpu_s = result.prefill_gpu_s + result.decode_gpu_s
     # Device time is split by phase (a disaggregated pool is all one phase; a colocated
     # replica is split by its busy-time mix), then priced per token of that phase.
+    queries = sum(r.prefix_cache_queries_tokens for r in result.replicas)
     pre_usd = result.prefill_gpu_s * gpu_usd_per_s
     dec_usd = result.decode_gpu_s * gpu_usd_per_s
     return {
@@ -79,6 +80,10 @@ def summarize(result: SimResult, slo: SLO, price_usd_per_hour: float) -> dict[st
         "slo_attainment": att,
         "meets_slo": att >= slo.attainment,
         "preemptions": sum(r.num_preemptions for r in recs),
+        # Prompt tokens found computed at admission (a trace's shared blocks); None: none
+        # looked up (no prefix reuse in the workload, so the replicas cache none).
+        "prefix_cache_hit_rate": (sum(r.prefix_cache_hits_tokens for r in result.replicas)
+                                  / queries if queries else None),
         "kv_transfer_s_total": result.kv_transfer_s,
         "gpus": result.num_gpus,
         "gpu_hours": span_gpu_s / 3600,

@@ -111,6 +111,8 @@ class Replica:
         self.busy_s = 0.0
         self.prefill_busy_s = 0.0  # busy time attributed to prefill work (for cost by phase)
         self.num_steps = 0
+        self.prefix_cache_queries_tokens = 0  # admissions' prompt tokens looked up
+        self.prefix_cache_hits_tokens = 0  # of those, found in the prefix cache
         self.outstanding = 0  # requests routed here that have not left (load for routing)
         self.steps: list[StepSummary] | None = [] if record_steps else None
 
@@ -141,6 +143,8 @@ class Replica:
                 self.run = DecodeRun(rows, positions, k, [], [])
                 return self._price(now_s)
         out = self.scheduler.schedule(now_s)
+        self.prefix_cache_queries_tokens += out.prefix_cache_queries_tokens
+        self.prefix_cache_hits_tokens += out.prefix_cache_hits_tokens
         if not out.num_seqs:
             return None
         t = self.cost.step_time_of(out)

@@ -96,6 +96,13 @@ def _goodput_line(colo: Candidate, dis: Candidate, ratio: float) -> str:
             f"{colo.goodput_per_gpu:.3g} req/s ({colo.unit.policy}): {ratio:.2f}x, {verdict}.")
 
 
+def _prefix_note(hit_rate: float | None) -> str:
+    if hit_rate is None:
+        return ""
+    return (f" Its prefix caches held {hit_rate:.0%} of the prompt tokens (the workload's"
+            " shared prefix blocks), which it did not prefill again.")
+
+
 def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
                ) -> dict[str, Any]:
     """plan.json as a dict."""
@@ -112,7 +119,8 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
         summary.append(
             f"Cheapest: {best.unit.label()} x {best.copies} = {best.gpus_needed} GPUs "
             f"(${(best.gpus_needed or 0) * price:.2f}/hour) serves {inp.rate_per_s:g} req/s with "
-            f"{v.get('slo_attainment', 0):.0%} of requests inside both SLOs.")
+            f"{v.get('slo_attainment', 0):.0%} of requests inside both SLOs."
+            + _prefix_note(v.get("prefix_cache_hit_rate")))
     if colo and dis and ratio is not None:
         summary.append(_goodput_line(colo, dis, ratio))
     return {
@@ -176,11 +184,14 @@ def plots(doc: dict[str, Any], cands: list[Candidate]) -> dict[str, str]:
     ax.set_title("SLO attainment vs rate: goodput is where a line crosses the target")
     ax.legend(fontsize=6, frameon=False)
     out = {"goodput": to_png(fig)}
+    tops = [(color, top) for color, policies in ((BLUE, ("mixed", "chunked")),
+                                                 (ORANGE, ("disaggregated",)))
+            if (top := _top(cands, policies)) is not None and top.verified]
+    if not tops:  # nothing was simulated at the target rate: no distribution to draw
+        return out
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.2))
-    for color, policies in ((BLUE, ("mixed", "chunked")), (ORANGE, ("disaggregated",))):
-        top = _top(cands, policies)
-        if top is None or not top.verified:
-            continue
+    for color, top in tops:
+        assert top.verified is not None
         for ax, key, slo in ((axes[0], "ttft_samples_s", doc["slo"]["ttft_s"]),
                              (axes[1], "tpot_samples_s", doc["slo"]["tpot_s"])):
             xs = sorted(v * 1e3 for v in top.verified[key])

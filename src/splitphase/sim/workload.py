@@ -7,7 +7,8 @@
   variation CV (CV = 1 is Poisson, CV > 1 is burstier);
 - `trace:PATH`: a JSONL trace replayed as recorded (Mooncake format: `timestamp` in ms,
   `input_length`, `output_length`, `hash_ids` of 512-token prefix blocks; or the audit's
-  `prompt_tokens` / `output_tokens`).
+  `prompt_tokens` / `output_tokens`); requests that share a timestamp arrive spread inside
+  the trace's time resolution (`spread_ties`).
 DIST is `fixed:N`, `uniform:LO:HI`, `lognormal:MEDIAN:SIGMA` or `trace:PATH` (the trace's
 lengths, sampled). A preset also takes options: `rag,rate=2`. `lengths=trace:PATH` samples
 (prompt, output) pairs jointly from a trace.
@@ -226,6 +227,33 @@ def load_trace(path: str | Path) -> tuple[TraceRecord, ...]:
     return tuple(sorted(recs, key=lambda r: r.timestamp_s))
 
 
+def spread_ties(trace: tuple[TraceRecord, ...], seed: int = 0) -> tuple[TraceRecord, ...]:
+    """Arrival times inside the trace's time resolution, where requests share a timestamp.
+
+    Mooncake's conversation trace stamps its requests in ticks of 3 s (about ten a tick):
+    replayed as stamped, each tick is a burst of prompts arriving at the same instant, which
+    no rescaling of the rate dissolves. The resolution is taken as the smallest gap between
+    distinct timestamps; the requests of a tick get uniform random times inside it (how a
+    Poisson process's arrivals fall, given their count), in the trace's order. A trace of
+    one timestamp is left as it is: nothing states its spread.
+    """
+    stamps = sorted({r.timestamp_s for r in trace})
+    if len(stamps) < 2:
+        return trace
+    resolution_s = min(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    rng, out, i = random.Random(seed), [], 0
+    while i < len(trace):
+        j = i
+        while j < len(trace) and trace[j].timestamp_s == trace[i].timestamp_s:
+            j += 1
+        offsets = [0.0] if j - i == 1 else sorted(rng.uniform(0, resolution_s)
+                                                   for _ in range(j - i))
+        out += [replace(r, timestamp_s=r.timestamp_s + o) for r, o in zip(trace[i:j], offsets,
+                                                                           strict=True)]
+        i = j
+    return tuple(out)
+
+
 def _record(line: str, where: str) -> TraceRecord:
     try:
         doc = json.loads(line)
@@ -270,7 +298,7 @@ def parse_workload(spec: str) -> WorkloadSpec:
     if kind == "trace":
         if opts:
             raise WorkloadError("trace:PATH takes no options; the trace gives lengths and times")
-        trace = load_trace(rest)
+        trace = spread_ties(load_trace(rest))
         span = trace[-1].timestamp_s - trace[0].timestamp_s
         rate = (len(trace) - 1) / span if span > 0 else 1.0
         return WorkloadSpec(f"trace:{Path(rest).name}", "trace", rate, trace=trace)
