@@ -178,7 +178,8 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
     au.add_argument("--hardware", help="hardware table name or cpu (default: cpu in-process)")
     au.add_argument("--price-per-hour", type=float, help="$/hour (default: the table's price)")
     au.add_argument("--workload", help="JSONL of prompt_tokens/output_tokens (or Mooncake)")
-    au.add_argument("--model-config", help="preset name or config.json (required for openai:)")
+    au.add_argument("--model-config", help="preset name or config.json (openai: default: the "
+                    "preset in the served model's id: meta-llama/Llama-3.1-8B -> llama-3.1-8b)")
     au.add_argument("--quick", action="store_true", help="reduced probe (under a minute)")
     au.add_argument("--requests-per-day", type=float, default=100_000.0, help="for the bill")
     au.add_argument("--bill-prompt-tokens", type=float, help="prompt tokens per billed request")
@@ -192,7 +193,7 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
 
     cmp = sub.add_parser("compare", help="the same probe on several targets, phase by phase")
     cmp.add_argument("targets", nargs="+", help="openai:URL (or any target spec), two or more")
-    cmp.add_argument("--model-config", help="preset name or config.json")
+    cmp.add_argument("--model-config", help="preset name or config.json (default: as audit's)")
     cmp.add_argument("--quick", action="store_true")
     cmp.add_argument("--out", help="also write compare.html/.json/.md here")
     cmp.add_argument("--no-progress", action="store_true")

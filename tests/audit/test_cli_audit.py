@@ -122,12 +122,16 @@ def test_openai_audit_with_workload_file(tmp_path: Path) -> None:
     work = tmp_path / "mooncake.jsonl"
     work.write_text("".join(json.dumps({"timestamp": i, "input_length": 40 * (i + 1),
                                         "output_length": 6}) + "\n" for i in range(6)))
-    with FakeOpenAIServer() as url:
+    # No --model-config: the served model's id names the preset, and the report says so.
+    with FakeOpenAIServer(FakeTiming(model_id="meta-llama/Llama-3.2-1B-Instruct")) as url:
         assert main(["audit", "--target", f"openai:{url}", "--workload", str(work),
                      "--quick", "--price-per-hour", "2.0", "--out", str(tmp_path / "r"),
-                     *OPENAI_ARGS]) == 0
+                     "--hardware", "h100", "--no-progress"]) == 0
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     validate_report(doc)
+    assert doc["model"]["name"] == "llama-3.2-1b"
+    named = "(preset llama-3.2-1b, named by the served model 'meta-llama/Llama-3.2-1B-Instruct')"
+    assert named in (tmp_path / "r" / "report.md").read_text()
     assert doc["profile"]["source"] == "server" and doc["cost"]["price_usd_per_hour"] == 2.0
     assert doc["probe"]["workload_file"] == str(work)
     assert doc["profile"]["interference"] is not None  # streaming targets get the probe

@@ -139,10 +139,24 @@ def test_openai_user_errors() -> None:
         open_target(f"openai:{url}")
     with FakeOpenAIServer() as url:
         target = open_target(f"openai:{url}")  # geometry is only needed for the steps
-        with pytest.raises(UserError, match="--model-config"):
+        with pytest.raises(UserError, match="serves 'fake-model', and no preset.*--model-config"):
             target.model_config()
     with pytest.raises(UserError, match="unknown target"):
         open_target("grpc:somewhere")
+
+
+def test_openai_geometry_from_the_served_model_id() -> None:
+    # A vLLM user points at the endpoint: the id it serves names the preset, and the report
+    # says where the geometry came from; --model-config still wins.
+    served = "meta-llama/Llama-3.1-8B-Instruct"
+    with FakeOpenAIServer(FakeTiming(model_id=served)) as url:
+        target = open_target(f"openai:{url}")
+        assert target.model_config() == ModelConfig.from_name("llama-3.1-8b")
+        source = target.describe()["model_config_source"]
+        assert source == f"preset llama-3.1-8b, named by the served model {served!r}"
+        given = open_target(f"openai:{url}", ModelConfig.from_name("tiny"))
+        assert given.model_config().name == "tiny"
+        assert given.describe()["model_config_source"] == "--model-config"
 
 
 @pytest.mark.parametrize("base_s", [0.001, 0.15], ids=["short-ttft", "ttft-dwarfs-itl"])

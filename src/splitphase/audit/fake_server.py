@@ -34,6 +34,7 @@ class FakeTiming:
     num_gpu_blocks: int | None = None  # likewise (16 tokens a block)
     preemptions_per_request: int = 0  # counted in vllm:num_preemptions_total as each finishes
     server_info: dict[str, Any] | None = None  # SGLang's GET /get_server_info when set
+    model_id: str = "fake-model"  # what /v1/models lists
 
 
 class _State:
@@ -88,7 +89,7 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
             if not state.timing.openai:
                 self._send(404, "<html><body>Not Found</body></html>", "text/html")
             elif self.path == "/v1/models":
-                card = {"id": "fake-model", "object": "model", "max_model_len": 2048}
+                card = {"id": state.timing.model_id, "object": "model", "max_model_len": 2048}
                 self._send(200, json.dumps({"object": "list", "data": [card]}))
             elif self.path == "/metrics" and state.timing.metrics:
                 self._send(200, state.metrics_text(), "text/plain; version=0.0.4")
@@ -137,7 +138,7 @@ def _stream(handler: BaseHTTPRequestHandler, state: _State, body: dict[str, Any]
         state.device_free_s = start_s + prefill_s
     time.sleep(max(0.0, start_s + prefill_s - time.perf_counter()))
     first_s = time.perf_counter()
-    chunk = {"object": "text_completion", "model": "fake-model"}
+    chunk = {"object": "text_completion", "model": state.timing.model_id}
     if timing.burst:
         _event(handler, {**chunk, "choices": [{"index": 0, "text": "tok " * n,
                                                 "finish_reason": "length"}]})

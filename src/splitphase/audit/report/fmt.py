@@ -114,3 +114,10 @@ def cache_and_limits(doc: dict[str, Any]) -> str:
     held = (f", pool {pool:,} tokens" if pool else "") + (
         f", at most {seqs} sequences" if seqs else "")
     return f", K/V cache {name} ({element_bytes(width)}){held}"
+
+
+def geometry_source(doc: dict[str, Any]) -> str:
+    """" (preset llama-3.1-8b, named by the served model 'meta-llama/...')" where the audit
+    took the geometry from a server's model name, so a reader can check it; else ""."""
+    source = doc["target"].get("model_config_source")
+    return f" ({source})" if source and source.startswith("preset ") else ""

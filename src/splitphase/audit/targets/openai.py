@@ -18,7 +18,7 @@ from splitphase.audit.targets import prometheus
 from splitphase.audit.targets.base import Codec, TokenizerCodec
 from splitphase.audit.trace import ProbeRequest, RequestTrace, trace_for
 from splitphase.errors import UserError
-from splitphase.model.config import ModelConfig
+from splitphase.model.config import PRESETS, ModelConfig, preset_for_model_id
 from splitphase.model.tokenizer import Tokenizer
 
 TIMEOUT_S = 120.0
@@ -67,7 +67,8 @@ class OpenAITarget:
         self.url = normalize_url(url)
         self._cfg = model_config
         self._client = _httpx().Client(timeout=TIMEOUT_S)
-        self.served_model, self.max_model_len = self._models()
+        self.served_model, self.served_root, self.max_model_len = self._models()
+        self.geometry_source = None if model_config is None else "--model-config"
         self._preflight()
         text = self._metrics_text()  # one GET: which histograms, and the K/V cache's config
         self.metrics = self._samples(text) is not None
@@ -90,7 +91,7 @@ class OpenAITarget:
                 "check the host and port"
             ) from exc
 
-    def _models(self) -> tuple[str | None, int | None]:
+    def _models(self) -> tuple[str | None, str | None, int | None]:
         data = _json_or_error(self._get("/v1/models"), f"GET {self.url}/v1/models")
         cards = data.get("data") if isinstance(data, dict) else None
         if not isinstance(cards, list):
@@ -98,9 +99,11 @@ class OpenAITarget:
                 f"GET {self.url}/v1/models has no `data` list: not an OpenAI-compatible server"
             )
         if not cards or not isinstance(cards[0], dict):
-            return None, None
-        max_len = cards[0].get("max_model_len")
-        return cards[0].get("id"), int(max_len) if isinstance(max_len, int) else None
+            return None, None, None
+        card = cards[0]
+        max_len, root = card.get("max_model_len"), card.get("root")  # root: vLLM's model path
+        return (card.get("id"), root if isinstance(root, str) else None,
+                int(max_len) if isinstance(max_len, int) else None)
 
     def _body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -186,15 +189,28 @@ class OpenAITarget:
             "max_num_seqs": self.max_num_seqs,
             "policy": self.policy,  # the batching policy, where the server states it
             "preemptions": self.preemptions,
+            "model_config_source": self.geometry_source,  # None: not asked for yet
         }
 
     def model_config(self) -> ModelConfig:
         if self._cfg is None:
-            raise UserError(
-                "openai: targets need the model geometry: pass --model-config NAME "
-                "(a preset, e.g. llama-3.1-8b) or PATH to the model's config.json"
-            )
+            self._cfg = self._config_from_served_name()
         return self._cfg
+
+    def _config_from_served_name(self) -> ModelConfig:
+        """The preset the served model's id (or vLLM's `root` path) names, as vLLM users give
+        no geometry; anything else needs --model-config."""
+        for name in (self.served_model, self.served_root):
+            preset = preset_for_model_id(name) if isinstance(name, str) else None
+            if preset is not None:
+                self.geometry_source = f"preset {preset}, named by the served model {name!r}"
+                return ModelConfig.from_name(preset)
+        what = f"serves {self.served_model!r}" if self.served_model else "names no model"
+        raise UserError(
+            f"openai: the server {what}, and no preset matches ({', '.join(PRESETS)}; a "
+            "quantized model matches none): pass --model-config NAME or PATH to the model's "
+            "config.json"
+        )
 
     def codec(self) -> Codec:
         return self._codec
