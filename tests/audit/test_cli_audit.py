@@ -130,7 +130,7 @@ def test_openai_audit_with_workload_file(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     validate_report(doc)
     assert doc["model"]["name"] == "llama-3.2-1b"
-    named = "(preset llama-3.2-1b, named by the served model 'meta-llama/Llama-3.2-1B-Instruct')"
+    named = "parameters, geometry from the served model id 'meta-llama/Llama-3.2-1B-Instruct', K/V"
     assert named in (tmp_path / "r" / "report.md").read_text()
     assert doc["profile"]["source"] == "server" and doc["cost"]["price_usd_per_hour"] == 2.0
     assert doc["probe"]["workload_file"] == str(work)

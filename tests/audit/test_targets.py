@@ -153,7 +153,7 @@ def test_openai_geometry_from_the_served_model_id() -> None:
         target = open_target(f"openai:{url}")
         assert target.model_config() == ModelConfig.from_name("llama-3.1-8b")
         source = target.describe()["model_config_source"]
-        assert source == f"preset llama-3.1-8b, named by the served model {served!r}"
+        assert source == f"served model id {served!r}"
         given = open_target(f"openai:{url}", ModelConfig.from_name("tiny"))
         assert given.model_config().name == "tiny"
         assert given.describe()["model_config_source"] == "--model-config"

@@ -116,8 +116,9 @@ def cache_and_limits(doc: dict[str, Any]) -> str:
     return f", K/V cache {name} ({element_bytes(width)}){held}"
 
 
-def geometry_source(doc: dict[str, Any]) -> str:
-    """" (preset llama-3.1-8b, named by the served model 'meta-llama/...')" where the audit
-    took the geometry from a server's model name, so a reader can check it; else ""."""
+def model_details(doc: dict[str, Any]) -> str:
+    """The header's words on the model: its size, where its geometry came from when the audit
+    took the preset from a server's model name (so a reader can check it), its K/V cache."""
     source = doc["target"].get("model_config_source")
-    return f" ({source})" if source and source.startswith("preset ") else ""
+    named = f", geometry from the {source}" if source and source.startswith("served") else ""
+    return f"{doc['model']['param_count']:,} parameters{named}{cache_and_limits(doc)}"

@@ -274,9 +274,8 @@ def render_html(doc: dict[str, Any], plots: dict[str, str]) -> str:
     """The whole report page (no external resources)."""
     t, hw, model = doc["target"], doc["hardware"], doc["model"]
     meta = (
-        f"{t['spec']} · {hw['name']} ({hw['dtype']}) · model {model['name']}"
-        f"{fmt.geometry_source(doc)} "
-        f"({model['param_count']:,} parameters{fmt.cache_and_limits(doc)}) · "
+        f"{t['spec']} · {hw['name']} ({hw['dtype']}) · model {model['name']} "
+        f"({fmt.model_details(doc)}) · "
         f"{doc.get('generated_at', '')}"
     )
     summary = "".join(

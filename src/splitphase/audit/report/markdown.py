@@ -72,8 +72,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     t, hw, model = doc["target"], doc["hardware"], doc["model"]
     head = (
         f"# splitphase audit: {t['spec']}\n\n"
-        f"{hw['name']} ({hw['dtype']}), model {model['name']}{fmt.geometry_source(doc)} "
-        f"({model['param_count']:,} parameters{fmt.cache_and_limits(doc)}), "
+        f"{hw['name']} ({hw['dtype']}), model {model['name']} "
+        f"({fmt.model_details(doc)}), "
         f"{doc.get('generated_at', '')}\n\n"
         + "".join(f"- {line}\n" for line in doc["summary"])
         + "\n"

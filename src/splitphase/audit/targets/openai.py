@@ -200,10 +200,10 @@ class OpenAITarget:
     def _config_from_served_name(self) -> ModelConfig:
         """The preset the served model's id (or vLLM's `root` path) names, as vLLM users give
         no geometry; anything else needs --model-config."""
-        for name in (self.served_model, self.served_root):
+        for what, name in (("id", self.served_model), ("root", self.served_root)):
             preset = preset_for_model_id(name) if isinstance(name, str) else None
             if preset is not None:
-                self.geometry_source = f"preset {preset}, named by the served model {name!r}"
+                self.geometry_source = f"served model {what} {name!r}"
                 return ModelConfig.from_name(preset)
         what = f"serves {self.served_model!r}" if self.served_model else "names no model"
         raise UserError(
