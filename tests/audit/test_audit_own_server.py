@@ -18,13 +18,16 @@ def test_audit_of_our_server_validates(tiny_ckpt: Path, tmp_path: Path) -> None:
     server = ServerProcess(["--model", str(tiny_ckpt), "--hardware", "h100",
                             "--kv-cache-dtype", "bfloat16", "--kv-cache-bytes", "515k",
                             "--block-size", "8"], env={"OMP_NUM_THREADS": "1"})
-    with server as url:
-        code = main(["audit", "--target", f"openai:{url}", "--model-config", str(tiny_ckpt),
-                     "--hardware", "cpu", "--quick", "--out", str(tmp_path), "--no-progress"])
+    with server as url:  # no --model-config: the served directory is on this machine
+        code = main(["audit", "--target", f"openai:{url}", "--hardware", "cpu", "--quick",
+                     "--out", str(tmp_path), "--no-progress"])
         log = server.log()
     assert code == 0, log
     doc = json.loads((tmp_path / "report.json").read_text())
     validate_report(doc)
+    assert doc["model"]["config"] == read_config(tiny_ckpt)[0].to_dict()
+    source = f"served model root {str(tiny_ckpt)!r}, its config.json on this machine"
+    assert doc["target"]["model_config_source"] == source
     assert doc["target"]["server_metrics"] is True  # our splitphase:* histograms were scraped
     assert doc["target"]["kv_cache_dtype"] == "bfloat16"
     assert doc["target"]["kv_cache_dtype_source"] == "target"

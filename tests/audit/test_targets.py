@@ -159,6 +159,18 @@ def test_openai_geometry_from_the_served_model_id() -> None:
         assert given.describe()["model_config_source"] == "--model-config"
 
 
+def test_openai_geometry_from_a_served_directory_here(tmp_path: Path) -> None:
+    # A directory on this machine is read; one whose config.json we cannot use still names
+    # its preset by its name.
+    bad = tmp_path / "Llama-3.2-1B"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with FakeOpenAIServer(FakeTiming(model_id=str(bad))) as url:
+        target = open_target(f"openai:{url}")
+        assert target.model_config() == ModelConfig.from_name("llama-3.2-1b")
+        assert target.describe()["model_config_source"] == f"served model id {str(bad)!r}"
+
+
 @pytest.mark.parametrize("base_s", [0.001, 0.15], ids=["short-ttft", "ttft-dwarfs-itl"])
 @pytest.mark.parametrize("mixed, stalls", [(True, True), (False, False)])
 def test_interference_probe_tells_mixed_from_isolated(mixed: bool, stalls: bool,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from splitphase.model.config import PRESETS, ConfigError, ModelConfig, preset_for_model_id
+from splitphase.model.config import PRESETS, ConfigError, ModelConfig
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -80,22 +80,3 @@ def test_from_hf_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="hidden_size"):
         ModelConfig.from_hf_config({"model_type": "llama"})
 
-
-@pytest.mark.parametrize(("served", "preset"), [
-    ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
-    ("meta-llama/Meta-Llama-3.1-70B-Instruct", "llama-3.1-70b"),
-    ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b"),
-    ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"),
-    ("/models/llama-3.2-1b/", "llama-3.2-1b"),  # vLLM's root: a local path
-    ("small", "small"),  # our server's embedded model
-    ("tiny-moe", "tiny-moe"),  # the longer of two names that fit
-    ("microsoft/Phi-3-small-8k-instruct", None),  # ours match only by their exact name
-    ("neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8", None),  # quantized: other weight bytes
-    ("TheBloke/Mixtral-8x7B-v0.1-GPTQ", None),
-    ("Llama-3.1-8B-Instruct-Q4_K_M.gguf", None),
-    ("llama-3.1-80b", None),
-    ("gpt2", None),
-    ("", None),
-])
-def test_preset_for_a_served_model_id(served: str, preset: str | None) -> None:
-    assert preset_for_model_id(served) == preset

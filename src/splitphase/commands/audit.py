@@ -9,32 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from splitphase.errors import UserError
-from splitphase.model.config import ConfigError, ModelConfig
+from splitphase.model.config import ModelConfig
+from splitphase.model.config_sources import load_model_config
 
 DEMO_TARGET = "builtin:small"
 DEMO_OUT = "splitphase-report"
 DEFAULT_REQUESTS_PER_DAY = 100_000.0
-
-
-def load_model_config(name_or_path: str) -> ModelConfig:
-    """A preset name, a Hugging Face config.json, or one of our checkpoints' config.json."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        return ModelConfig.from_name(name_or_path)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model-config {path} is not readable JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ConfigError(f"--model-config {path} must hold a JSON object")
-    try:
-        if doc.get("format") == "splitphase":
-            return ModelConfig.from_dict(doc["model"])
-        return ModelConfig.from_hf_config(doc)
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"--model-config {path}: unusable config ({exc})") from exc
 
 
 def resolve_hardware(name: str | None, target_spec: str, price_usd_per_hour: float | None) -> Any:

@@ -51,9 +51,10 @@ def _check(opts: PlanOptions) -> None:
 
 def plan_inputs(opts: PlanOptions) -> Any:
     """Validated `PlanInputs` from the command-line options."""
-    from splitphase.commands.audit import load_model_config, resolve_hardware
+    from splitphase.commands.audit import resolve_hardware
     from splitphase.engine.config import kv_cache_dtype_bytes
     from splitphase.hardware.specs import HardwareError, get_link
+    from splitphase.model.config_sources import load_model_config
     from splitphase.sim.cost_model import Efficiency
     from splitphase.sim.metrics import SLO
     from splitphase.sim.planner import PlanInputs, SearchSpace

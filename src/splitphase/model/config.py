@@ -8,7 +8,6 @@ the FLOP/byte model and the simulator can use it without torch.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -370,23 +369,3 @@ PRESETS: dict[str, dict[str, Any]] = {
         d_expert=14336,
     ),
 }
-
-# Words in a served model's name that mean its weights are not the preset's bf16 ones.
-_QUANTIZED = re.compile(r"(^|[-_./])(fp8|fp4|nvfp4|int4|int8|awq|gptq|gguf|bnb|w4a16|w8a8|w8a16|"
-                        r"4bit|8bit|q[2-8]_k(_[sml])?|q[48]_0|exl2)($|[-_./])")
-
-
-def preset_for_model_id(model_id: str) -> str | None:
-    """The preset a served model's id or path names (`meta-llama/Llama-3.1-8B-Instruct` ->
-    `llama-3.1-8b`), else None: the longest real model's preset found in its last path
-    component between separators, or one of ours by its exact name (`Phi-3-small` is not
-    `small`). A quantized name (FP8, AWQ, GPTQ, ...) matches none: its weights are not the
-    preset's."""
-    name = model_id.strip().rstrip("/").rsplit("/", 1)[-1].lower()
-    if name in OWN_PRESETS:
-        return name
-    if not name or _QUANTIZED.search(name):
-        return None
-    found = [p for p in PRESETS if p not in OWN_PRESETS
-             and re.search(rf"(^|[-_.]){re.escape(p)}($|[-_.])", name)]
-    return max(found, key=len, default=None)

@@ -18,7 +18,12 @@ from splitphase.audit.targets import prometheus
 from splitphase.audit.targets.base import Codec, TokenizerCodec
 from splitphase.audit.trace import ProbeRequest, RequestTrace, trace_for
 from splitphase.errors import UserError
-from splitphase.model.config import PRESETS, ModelConfig, preset_for_model_id
+from splitphase.model.config import PRESETS, ConfigError, ModelConfig
+from splitphase.model.config_sources import (
+    load_model_config,
+    local_model_dir,
+    preset_for_model_id,
+)
 from splitphase.model.tokenizer import Tokenizer
 
 TIMEOUT_S = 120.0
@@ -198,10 +203,23 @@ class OpenAITarget:
         return self._cfg
 
     def _config_from_served_name(self) -> ModelConfig:
-        """The preset the served model's id (or vLLM's `root` path) names, as vLLM users give
-        no geometry; anything else needs --model-config."""
-        for what, name in (("id", self.served_model), ("root", self.served_root)):
-            preset = preset_for_model_id(name) if isinstance(name, str) else None
+        """The geometry the served model's name gives, as vLLM users give none: its config.json
+        where the name (or vLLM's `root`) is a model directory on this machine, else the preset
+        the name names; anything else needs --model-config."""
+        named = [(what, name) for what, name in (("root", self.served_root),
+                                                 ("id", self.served_model)) if name]
+        for what, name in named:
+            local = local_model_dir(name)
+            try:
+                cfg = load_model_config(str(local)) if local is not None else None
+            except ConfigError:
+                cfg = None  # not a model we can read: the name may still name a preset
+            if cfg is not None:
+                self.geometry_source = (f"served model {what} {name!r}, its config.json on "
+                                        "this machine")
+                return cfg
+        for what, name in reversed(named):
+            preset = preset_for_model_id(name)
             if preset is not None:
                 self.geometry_source = f"served model {what} {name!r}"
                 return ModelConfig.from_name(preset)
