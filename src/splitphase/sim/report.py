@@ -99,8 +99,8 @@ def _goodput_line(colo: Candidate, dis: Candidate, ratio: float) -> str:
 def _prefix_note(hit_rate: float | None) -> str:
     if hit_rate is None:
         return ""
-    return (f" Its prefix caches held {hit_rate:.0%} of the prompt tokens (the workload's"
-            " shared prefix blocks), which it did not prefill again.")
+    return (f" {hit_rate:.0%} of its prompt tokens were found in the replicas' prefix caches"
+            " (the workload's shared prefix blocks) and not prefilled again.")
 
 
 def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
