@@ -96,6 +96,10 @@ def _goodput_line(colo: Candidate, dis: Candidate, ratio: float) -> str:
             f"{colo.goodput_per_gpu:.3g} req/s ({colo.unit.policy}): {ratio:.2f}x, {verdict}.")
 
 
+def _gpus(n: int) -> str:
+    return f"{n} GPU{'' if n == 1 else 's'}"
+
+
 def _prefix_note(hit_rate: float | None) -> str:
     if hit_rate is None:
         return ""
@@ -111,13 +115,13 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
     ratio = dis.goodput_per_gpu / colo.goodput_per_gpu if colo and dis else None
     summary = []
     if best is None:
-        summary.append(f"No configuration within {inp.max_gpus} GPUs meets TTFT <= "
+        summary.append(f"No configuration within {_gpus(inp.max_gpus)} meets TTFT <= "
                        f"{inp.slo.ttft_s:g} s and TPOT <= {inp.slo.tpot_s:g} s for "
                        f"{inp.slo.attainment:.0%} of requests at {inp.rate_per_s:g} req/s.")
     else:
         v = best.verified or {}
         summary.append(
-            f"Cheapest: {best.unit.label()} x {best.copies} = {best.gpus_needed} GPUs "
+            f"Cheapest: {best.unit.label()} x {best.copies} = {_gpus(best.gpus_needed or 0)} "
             f"(${(best.gpus_needed or 0) * price:.2f}/hour) serves {inp.rate_per_s:g} req/s with "
             f"{v.get('slo_attainment', 0):.0%} of requests inside both SLOs."
             + _prefix_note(v.get("prefix_cache_hit_rate")))
