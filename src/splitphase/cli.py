@@ -35,6 +35,7 @@ def _audit(args: argparse.Namespace) -> None:
             bill_output_tokens=args.bill_output_tokens,
             progress=not args.no_progress,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
         )
     )
 
@@ -170,6 +171,8 @@ def _data(args: argparse.Namespace) -> None:
 
 
 def _add_audit(sub: argparse._SubParsersAction) -> None:
+    from splitphase.audit.weights import ALIASES as QUANTIZATION_ALIASES
+    from splitphase.audit.weights import QUANTIZATIONS
     from splitphase.engine.config import KV_CACHE_DTYPES
 
     au = sub.add_parser("audit", help="profile a target per phase; utilization, fixes, cost")
@@ -188,6 +191,11 @@ def _add_audit(sub: argparse._SubParsersAction) -> None:
                     help="the target's K/V cache dtype: builtin targets store their pool so; for "
                     "openai: it declares the server's (default: what its /metrics states, else "
                     "the model's dtype); decode bytes are priced at this width")
+    au.add_argument("--quantization", default="auto",
+                    choices=["auto", "none", *QUANTIZATIONS, *QUANTIZATION_ALIASES],
+                    help="how an openai: target stores its weights (vLLM's --quantization; "
+                    "default: what its config.json or served model's name states, else none); "
+                    "decode's weight bytes and the matmuls' peak follow it")
     au.add_argument("--no-progress", action="store_true", help="no progress bars")
     au.set_defaults(func=_audit)
 

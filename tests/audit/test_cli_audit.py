@@ -19,6 +19,10 @@ from splitphase.model.config import ModelConfig
 from splitphase.model.transformer import Transformer
 
 OPENAI_ARGS = ["--hardware", "h100", "--model-config", "llama-3.2-1b", "--no-progress"]
+_LLAMA_1B_HF = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+                "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "intermediate_size": 8192, "max_position_embeddings": 131072,
+                "torch_dtype": "bfloat16", "tie_word_embeddings": True}
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +215,42 @@ def test_compare_two_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert doc["verdicts"][0].endswith("(K/V cache fp8 vs auto)")  # decode reads fewer bytes
     assert "| K/V cache |" in (tmp_path / "compare.md").read_text()
     assert 'src="data:image/png;base64,' in (tmp_path / "compare.html").read_text()
+
+
+def test_openai_audit_prices_quantized_weights(tmp_path: Path) -> None:
+    # An FP8 checkpoint served by name: the preset's geometry, FP8 weights (half the decode
+    # bytes, FP8 matmuls on an H100; weight-only on an A100, which has no FP8 tensor cores).
+    served = "neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**_LLAMA_1B_HF, "quantization_config": {
+        "quant_method": "awq", "bits": 4}}))
+    docs = {}
+    with FakeOpenAIServer(FakeTiming(model_id=served)) as url:
+        runs = {"stated": ["--hardware", "h100"], "a100": ["--hardware", "a100"],
+                "none": ["--hardware", "h100", "--quantization", "none"],
+                "file": ["--hardware", "h100", "--model-config", str(config)]}
+        for name, extra in runs.items():
+            assert main(["audit", "--target", f"openai:{url}", "--quick", "--no-progress",
+                         "--out", str(tmp_path / name), *extra]) == 0
+            docs[name] = json.loads((tmp_path / name / "report.json").read_text())
+            validate_report(docs[name])
+    stated = docs["stated"]
+    assert stated["model"]["name"] == "llama-3.1-8b"
+    assert (stated["target"]["quantization"], stated["target"]["quantization_source"]) == (
+        "fp8", "target")
+    assert stated["model"]["weight_bytes_per_param"] == 1 and stated["hardware"]["dtype"] == (
+        "float8")
+    assert "weights fp8 (1 byte each)" in (tmp_path / "stated" / "report.md").read_text()
+    assert docs["a100"]["hardware"]["dtype"] == "bfloat16"
+    assert docs["a100"]["model"]["weight_format"] == "fp8"
+    none = docs["none"]
+    assert none["target"]["quantization"] is None and none["model"]["weight_bytes_per_param"] == 2
+    assert none["target"]["quantization_source"] == "option"
+    assert docs["file"]["target"]["quantization"] == "int4"  # --model-config's file wins
+    assert docs["file"]["target"]["quantization_source"] == "model-config"
+
+
+def test_quantization_is_for_openai_targets(capsys: pytest.CaptureFixture[str],
+                                            tiny_ckpt: Path) -> None:
+    _fails(capsys, ["audit", "--target", f"builtin:{tiny_ckpt}", "--quantization", "fp8",
+                    "--out", "/tmp/unused"], "--quantization describes an openai: target")

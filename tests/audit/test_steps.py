@@ -26,6 +26,7 @@ from splitphase.audit.steps.optimizations import (
 )
 from splitphase.audit.steps.profile import percentile, union_length_s
 from splitphase.audit.trace import RequestTrace
+from splitphase.audit.weights import weight_format
 from splitphase.errors import UserError
 from splitphase.hardware.specs import HardwareSpec, get_hardware
 from splitphase.model.config import ModelConfig
@@ -227,6 +228,31 @@ def test_a_narrower_kv_cache_is_priced_at_its_width() -> None:
     result = run_steps(_sweep(), LLAMA8B, HW, 2.0, Workload(1000, 512, 64),
                        kv_dtype_bytes=1)
     assert result.utilization.kv_dtype_bytes == 1
+
+
+def test_quantized_weights_are_priced_as_served() -> None:
+    # An FP8 Llama on vLLM: half the weight bytes per decode step, FP8 matmuls for both phases
+    # (the peak the FLOPs are held against), the K/V cache as wide as before.
+    hw = get_hardware("h100-sxm")
+    prof = profile(_sweep() + [_trace(512, conc=4, point="len=512 c=4") for _ in range(4)])
+    bf16 = utilization(prof, LLAMA8B, hw)
+    fp8 = utilization(prof, LLAMA8B, hw, weights=weight_format("fp8", "bfloat16"))
+    assert (bf16.dtype, fp8.dtype) == ("bfloat16", "float8") and fp8.kv_dtype_bytes == 2
+    weights_b = fl.param_count(LLAMA8B)
+    for a, b in zip(bf16.decode.levels, fp8.decode.levels, strict=True):
+        ctx = [round(b.context_tokens)] * round(b.batch)
+        assert b.bytes == pytest.approx(fl.decode_bytes(LLAMA8B, ctx, 1.0, kv_dtype_bytes=2))
+        assert a.bytes - b.bytes > 0.45 * weights_b  # a byte less for (nearly) every weight
+        assert b.flops == a.flops and b.flops_utilization == pytest.approx(
+            a.flops_utilization * hw.peak_bf16_flops_per_s / hw.peak_fp8_flops_per_s)
+    assert not quantized_weights(fp8, LLAMA8B, hw).applicable
+    assert "already fp8" in quantized_weights(fp8, LLAMA8B, hw).detail
+    int4 = utilization(prof, LLAMA8B, hw, weights=weight_format("awq", "bfloat16"))
+    assert int4.dtype == "bfloat16" and int4.weights.bytes_per_param == pytest.approx(0.515625)
+    assert int4.decode.headline.bytes < fp8.decode.headline.bytes
+    # The larger batch fits more streams beside fewer weight bytes.
+    more = larger_decode_batch(int4, LLAMA8B, hw).detail
+    assert "memory holds" in more
 
 
 def test_a_larger_decode_batch_names_the_limits_that_stop_it_short() -> None:

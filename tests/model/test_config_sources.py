@@ -24,9 +24,11 @@ from splitphase.model.config_sources import (
     ("small", "small"),  # our server's embedded model
     ("tiny-moe", "tiny-moe"),  # the longer of two names that fit
     ("microsoft/Phi-3-small-8k-instruct", None),  # ours match only by their exact name
-    ("neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8", None),  # quantized: other weight bytes
-    ("TheBloke/Mixtral-8x7B-v0.1-GPTQ", None),
-    ("Llama-3.1-8B-Instruct-Q4_K_M.gguf", None),
+    ("neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8", "llama-3.1-8b"),  # weights priced apart
+    ("TheBloke/Mixtral-8x7B-v0.1-GPTQ", "mixtral-8x7b"),
+    ("Llama-3.1-8B-Instruct-Q4_K_M.gguf", None),  # a format the audit does not price
+    ("RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8", None),
+    ("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", None),
     ("llama-3.1-80b", None),
     ("gpt2", None),
     ("", None),

@@ -238,7 +238,7 @@ def expected_distinct_experts(cfg: ModelConfig, primary_tokens: int, aux_tokens:
     return min(float(experts), experts * (1 - miss))
 
 
-def _weight_bytes(cfg: ModelConfig, work: _Work, dtype_bytes: int) -> float:
+def _weight_bytes(cfg: ModelConfig, work: _Work, dtype_bytes: float) -> float:
     pq, pkv, po = attn_matmul_params(cfg)
     distinct = expected_distinct_experts(cfg, work.pri_rows, work.aux_rows)
     per_layer = pq + pkv + po + norm_params_per_layer(cfg) + mlp_params(cfg, distinct)
@@ -248,15 +248,16 @@ def _weight_bytes(cfg: ModelConfig, work: _Work, dtype_bytes: int) -> float:
     return dtype_bytes * (params + rows * cfg.d_model)
 
 
-def _bytes(cfg: ModelConfig, work: _Work, dtype_bytes: int, kv_dtype_bytes: int | None) -> float:
+def _bytes(cfg: ModelConfig, work: _Work, dtype_bytes: float, kv_dtype_bytes: int | None) -> float:
     if work.pri_rows == 0:
         return 0.0  # nothing scheduled: no weights are read
-    kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    # None: as wide as the weights (a caller with quantized weights states the cache's width).
+    kv_b = max(1, int(dtype_bytes)) if kv_dtype_bytes is None else kv_dtype_bytes
     kv = kv_bytes_per_token(cfg, kv_b) * (work.kv_read + work.pri_rows)  # aux writes no KV
     return _weight_bytes(cfg, work, dtype_bytes) + kv
 
 
-def _check_bytes(dtype_bytes: int, kv_dtype_bytes: int | None) -> None:
+def _check_bytes(dtype_bytes: float, kv_dtype_bytes: int | None) -> None:
     if dtype_bytes <= 0 or (kv_dtype_bytes is not None and kv_dtype_bytes <= 0):
         raise CostError(f"bytes per element must be > 0, got {dtype_bytes}, {kv_dtype_bytes}")
 
@@ -295,7 +296,7 @@ def prefill_bytes(
     *,
     num_computed: int = 0,
     logits_positions: int = 1,
-    dtype_bytes: int = 2,
+    dtype_bytes: float = 2,
     kv_dtype_bytes: int | None = None,
 ) -> float:
     """HBM bytes of a prefill: weights once, embedding rows, cached KV read, new KV written."""
@@ -312,7 +313,7 @@ def decode_flops(cfg: ModelConfig, context_lens: Sequence[int]) -> float:
 def decode_bytes(
     cfg: ModelConfig,
     context_lens: Sequence[int],
-    dtype_bytes: int = 2,
+    dtype_bytes: float = 2,
     kv_dtype_bytes: int | None = None,
 ) -> float:
     """HBM bytes of one decode step: weights (distinct experts for MoE) once, KV read and write."""
@@ -321,7 +322,7 @@ def decode_bytes(
 
 
 def prefill_cost(
-    cfg: ModelConfig, prompt_len: int, dtype_bytes: int = 2, *, kv_dtype_bytes: int | None = None
+    cfg: ModelConfig, prompt_len: int, dtype_bytes: float = 2, *, kv_dtype_bytes: int | None = None
 ) -> PhaseCost:
     """FLOPs and bytes of prefilling one prompt from scratch (logits at the last position)."""
     flops = prefill_flops(cfg, prompt_len)
@@ -330,7 +331,7 @@ def prefill_cost(
 
 
 def decode_cost(
-    cfg: ModelConfig, context_lens: Sequence[int], dtype_bytes: int = 2, *,
+    cfg: ModelConfig, context_lens: Sequence[int], dtype_bytes: float = 2, *,
     kv_dtype_bytes: int | None = None,
 ) -> PhaseCost:
     """FLOPs and bytes of one decode step of a batch."""
@@ -349,7 +350,7 @@ def step_cost(
     cfg: ModelConfig,
     prefill_chunks: Sequence[tuple[int, int]],
     decode_context_lens: Sequence[int],
-    dtype_bytes: int = 2,
+    dtype_bytes: float = 2,
     *,
     kv_dtype_bytes: int | None = None,
     logits_per_chunk: int = 1,
@@ -382,7 +383,7 @@ def attention_cost(
     cfg: ModelConfig,
     prefill_chunks: Sequence[tuple[int, int]],
     decode_context_lens: Sequence[int],
-    dtype_bytes: int = 2,
+    dtype_bytes: float = 2,
     *,
     kv_dtype_bytes: int | None = None,
 ) -> PhaseCost:
@@ -395,6 +396,7 @@ def attention_cost(
     for new, before in prefill_chunks:
         work = work + _chunk_work(cfg, new, before, min(1, new), True)
     flops = cfg.n_layers * 4 * cfg.q_dim * (work.pri_pairs + work.aux_pairs)
-    kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    # None: as wide as the weights (a caller with quantized weights states the cache's width).
+    kv_b = max(1, int(dtype_bytes)) if kv_dtype_bytes is None else kv_dtype_bytes
     kv = kv_bytes_per_token(cfg, kv_b) * (work.kv_read + work.pri_rows) if work.pri_rows else 0
     return PhaseCost(float(flops), float(kv))

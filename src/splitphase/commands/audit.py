@@ -10,7 +10,7 @@ from typing import Any
 
 from splitphase.errors import UserError
 from splitphase.model.config import ModelConfig
-from splitphase.model.config_sources import load_model_config
+from splitphase.model.config_sources import config_doc, load_model_config
 
 DEMO_TARGET = "builtin:small"
 DEMO_OUT = "splitphase-report"
@@ -55,6 +55,7 @@ class AuditOptions:
     bill_output_tokens: float | None = None
     progress: bool = True
     kv_cache_dtype: str = "auto"  # the target's K/V cache (EngineConfig.kv_cache_dtype's names)
+    quantization: str = "auto"  # its weights: auto (as it states), none, or audit.weights' names
 
 
 def _plan(opts: AuditOptions, max_len: int) -> Any:
@@ -98,6 +99,9 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
 
     override = load_model_config(opts.model_config) if opts.model_config else None
     hw = resolve_hardware(opts.hardware, opts.target, opts.price_per_hour)
+    if opts.quantization not in ("auto", "none") and not opts.target.startswith("openai:"):
+        raise UserError("--quantization describes an openai: target's weights; builtin and hf: "
+                        "targets run their weights in the model's dtype")
     target = open_target(opts.target, override, opts.kv_cache_dtype)
     try:
         cfg = target.model_config()
@@ -107,10 +111,11 @@ def run_audit(opts: AuditOptions) -> tuple[dict[str, Any], Path]:
     finally:
         target.close()
     described, kv_b = _kv_cache(opts, described, cfg)
+    described, weights = _weights(opts, described, cfg, hw)
     policies = _compare_policies(opts, described, plan, probe.traces, _context_len(target, cfg))
     limits = ServingLimits(described.get("kv_pool_tokens"), described.get("max_num_seqs"))
     result = run_steps(probe.traces, cfg, hw, hw.price_usd_per_hour, _bill(opts, plan),
-                       policies, described.get("policy"), kv_b, limits)
+                       policies, described.get("policy"), kv_b, limits, weights)
     doc = build_report(result, described, hw, cfg, probe)
     out = write_report(opts.out, doc, result.profile.itl_samples_s)
     return doc, out
@@ -138,6 +143,32 @@ def _kv_cache(
         name, source = "auto", "model"
     kv_b = kv_cache_dtype_bytes(name, cfg.dtype_bytes)
     return {**described, "kv_cache_dtype": name, "kv_cache_dtype_source": source}, kv_b
+
+
+def _weights(
+    opts: AuditOptions, described: dict[str, Any], cfg: ModelConfig, hw: Any
+) -> tuple[dict[str, Any], Any]:
+    """How the target stores its weights (the option, else what --model-config's config.json
+    states, else what the target states, else unquantized in the model's dtype), recorded in
+    its description with where that came from."""
+    from splitphase.audit.weights import quantization_in_config, weight_format
+
+    path = opts.model_config if opts.target.startswith("openai:") else None
+    doc = config_doc(Path(path).expanduser()) if path else None
+    in_file = quantization_in_config(doc) if doc is not None else None
+    if opts.quantization != "auto":
+        name, source = (None if opts.quantization == "none" else opts.quantization), "option"
+    elif in_file is not None:
+        name, source = in_file, "model-config"
+    else:
+        stated = described.get("quantization")
+        name, source = stated, ("target" if stated else "model")
+    fmt = weight_format(name, cfg.dtype)
+    if fmt.compute_dtype == "float8" and hw.peak_fp8_flops_per_s is None:
+        # No FP8 matmuls on this hardware (an A100): vLLM runs FP8 weights weight-only there.
+        fmt = replace(fmt, compute_dtype=cfg.dtype)
+    return {**described, "quantization": fmt.name if fmt.quantized else None,
+            "quantization_source": source}, fmt
 
 
 def _compare_policies(

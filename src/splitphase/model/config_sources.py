@@ -9,14 +9,26 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from splitphase.model.config import OWN_PRESETS, PRESETS, ConfigError, ModelConfig
 
 CONFIG_FILE = "config.json"
 
-# Words in a served model's name that mean its weights are not the preset's bf16 ones.
-_QUANTIZED = re.compile(r"(^|[-_./])(fp8|fp4|nvfp4|int4|int8|awq|gptq|gguf|bnb|w4a16|w8a8|w8a16|"
-                        r"4bit|8bit|q[2-8]_k(_[sml])?|q[48]_0|exl2)($|[-_./])")
+# Words in a served model's name for weight formats the audit does not price (its own table,
+# audit/weights.py, prices FP8, INT8/INT4 weight-only, AWQ and GPTQ).
+_UNPRICED = re.compile(r"(^|[-_./])(fp4|nvfp4|mxfp4|w8a8|w4a8|gguf|bnb|4bit|8bit|"
+                       r"q[2-8]_k(_[sml])?|q[48]_0|exl2)($|[-_./])")
+
+
+def config_doc(path: Path) -> dict[str, Any] | None:
+    """The JSON object in a model directory's (or a file's) config.json, else None."""
+    file = path / CONFIG_FILE if path.is_dir() else path
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
@@ -54,12 +66,12 @@ def preset_for_model_id(model_id: str) -> str | None:
     """The preset a served model's id or path names (`meta-llama/Llama-3.1-8B-Instruct` ->
     `llama-3.1-8b`), else None: the longest real model's preset found in its last path
     component between separators, or one of ours by its exact name (`Phi-3-small` is not
-    `small`). A quantized name (FP8, AWQ, GPTQ, ...) matches none: its weights are not the
-    preset's."""
+    `small`). A name in a weight format the audit cannot price (GGUF, bitsandbytes, W8A8, ...)
+    matches none; FP8, AWQ or GPTQ keep the preset's geometry, their weights priced apart."""
     name = model_id.strip().rstrip("/").rsplit("/", 1)[-1].lower()
     if name in OWN_PRESETS:
         return name
-    if not name or _QUANTIZED.search(name):
+    if not name or _UNPRICED.search(name):
         return None
     found = [p for p in PRESETS if p not in OWN_PRESETS
              and re.search(rf"(^|[-_.]){re.escape(p)}($|[-_.])", name)]

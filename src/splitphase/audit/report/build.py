@@ -11,6 +11,7 @@ from splitphase.audit import flops as fl
 from splitphase.audit.probes import ProbeResult
 from splitphase.audit.report.summary import summary_lines, warnings_for
 from splitphase.audit.steps import AuditResult, PhaseLevel, PhaseResult, Stats
+from splitphase.audit.weights import WeightFormat
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
 
@@ -116,13 +117,15 @@ def _cost(result: AuditResult) -> dict[str, Any]:
     }
 
 
-def _model(cfg: ModelConfig, kv_dtype_bytes: int) -> dict[str, Any]:
+def _model(cfg: ModelConfig, kv_dtype_bytes: int, weights: WeightFormat) -> dict[str, Any]:
     return {
         "name": cfg.name,
         "config": cfg.to_dict(),
         "param_count": fl.param_count(cfg),
         "active_param_count": fl.active_param_count(cfg),
-        "weight_bytes": fl.param_count(cfg) * cfg.dtype_bytes,
+        "weight_format": weights.name,  # the model's dtype, or its quantization as served
+        "weight_bytes_per_param": weights.bytes_per_param,
+        "weight_bytes": fl.param_count(cfg) * weights.bytes_per_param,
         "kv_dtype_bytes": kv_dtype_bytes,
         "kv_bytes_per_token": fl.kv_bytes_per_token(cfg, kv_dtype_bytes),
     }
@@ -152,7 +155,7 @@ def build_report(
         "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "target": target,
         "hardware": _hardware(hw, result.utilization.dtype),
-        "model": _model(cfg, result.utilization.kv_dtype_bytes),
+        "model": _model(cfg, result.utilization.kv_dtype_bytes, result.utilization.weights),
         "probe": {
             "quick": plan.quick,
             "prompt_lens": list(plan.prompt_lens),

@@ -118,7 +118,12 @@ def cache_and_limits(doc: dict[str, Any]) -> str:
 
 def model_details(doc: dict[str, Any]) -> str:
     """The header's words on the model: its size, where its geometry came from when the audit
-    took the preset from a server's model name (so a reader can check it), its K/V cache."""
-    source = doc["target"].get("model_config_source")
+    took the preset from a server's model name (so a reader can check it), its weights when
+    quantized, its K/V cache."""
+    model, source = doc["model"], doc["target"].get("model_config_source")
     named = f", geometry from the {source}" if source and source.startswith("served") else ""
-    return f"{doc['model']['param_count']:,} parameters{named}{cache_and_limits(doc)}"
+    quantized = doc["target"].get("quantization")
+    per = model["weight_bytes_per_param"]
+    weights = f", weights {quantized} ({per:.3g} byte{'' if per == 1 else 's'} each)"
+    weights = weights if quantized else ""
+    return f"{model['param_count']:,} parameters{named}{weights}{cache_and_limits(doc)}"

@@ -136,6 +136,9 @@ REPORT_SCHEMA: dict[str, Any] = {
                 "active_param_count": {"type": "integer", "minimum": 1},
                 "kv_dtype_bytes": {"type": "integer", "minimum": 1, "maximum": 4},
                 "kv_bytes_per_token": {"type": "integer", "minimum": 0},
+                "weight_format": {"type": "string"},
+                "weight_bytes_per_param": {"type": "number", "exclusiveMinimum": 0},
+                "weight_bytes": {"type": "number", "minimum": 0},
             },
         },
         "probe": {

@@ -30,6 +30,7 @@ from splitphase.audit.steps.utilization import (
     utilization,
 )
 from splitphase.audit.trace import RequestTrace
+from splitphase.audit.weights import WeightFormat
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
 
@@ -65,12 +66,13 @@ def run_steps(
     current_policy: str | None = None,
     kv_dtype_bytes: int | None = None,
     limits: ServingLimits = NOT_STATED,
+    weights: WeightFormat | None = None,
 ) -> AuditResult:
     """Steps 1 to 5 in order (policy_results: our engine re-run under each batching policy;
     kv_dtype_bytes: the target's K/V cache width, None for the model's; limits: the pool and
-    sequence limit it states)."""
+    sequence limit it states; weights: how it stores its weights, None for the model's dtype)."""
     prof = profile(traces)
-    util = utilization(prof, cfg, hw, kv_dtype_bytes)
+    util = utilization(prof, cfg, hw, kv_dtype_bytes, weights)
     return AuditResult(
         profile=prof,
         bottleneck=bottleneck(util, hw),

@@ -70,8 +70,9 @@ def _ctx(lv: PhaseLevel) -> list[int]:
 
 
 def _decode(cfg: ModelConfig, util: Utilization, context_lens: list[int]) -> fl.PhaseCost:
-    """A decode step's cost with the audited target's K/V cache width."""
-    return fl.decode_cost(cfg, context_lens, cfg.dtype_bytes, kv_dtype_bytes=util.kv_dtype_bytes)
+    """A decode step's cost with the audited target's weights and K/V cache width."""
+    return fl.decode_cost(cfg, context_lens, util.weights.bytes_per_param,
+                          kv_dtype_bytes=util.kv_dtype_bytes)
 
 
 def _stall_cause(stalls: bool, current_policy: str | None) -> str:
@@ -127,7 +128,7 @@ def larger_decode_batch(
     the target's configured pool or sequence limit holds fewer streams, the detail says so."""
     lv = util.decode.headline
     context = max(1, round(lv.context_tokens))
-    weights_b = fl.param_count(cfg) * cfg.dtype_bytes
+    weights_b = fl.param_count(cfg) * util.weights.bytes_per_param
     kv_per_seq_b = fl.kv_bytes_per_token(cfg, util.kv_dtype_bytes) * (context + 1)
     fits = int((hw.mem_capacity_bytes * MEMORY_HEADROOM - weights_b) // kv_per_seq_b)
     batch = max(1, round(lv.batch))
@@ -214,9 +215,9 @@ def shallower_prefill(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
     lv = util.prefill.headline
     n = max(1, round(lv.prompt_tokens))
     layers = max(1, cfg.n_layers // 2)
-    kv_b = util.kv_dtype_bytes
-    full = fl.prefill_cost(cfg, n, cfg.dtype_bytes, kv_dtype_bytes=kv_b)
-    lean = fl.prefill_cost(cfg.with_(n_layers=layers), n, cfg.dtype_bytes, kv_dtype_bytes=kv_b)
+    kv_b, w_b = util.kv_dtype_bytes, util.weights.bytes_per_param
+    full = fl.prefill_cost(cfg, n, w_b, kv_dtype_bytes=kv_b)
+    lean = fl.prefill_cost(cfg.with_(n_layers=layers), n, w_b, kv_dtype_bytes=kv_b)
     before = _projected_s(full, hw, util.dtype, lv.utilization)
     after = _projected_s(lean, hw, util.dtype, lv.utilization)
     detail = (
@@ -235,11 +236,15 @@ def quantized_weights(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
     q_bytes = fl.decode_bytes(cfg, _ctx(lv), dtype_bytes=1, kv_dtype_bytes=util.kv_dtype_bytes)
     before = _projected_s(base, hw, util.dtype, lv.utilization)
     after = _projected_s(fl.PhaseCost(base.flops, q_bytes), hw, util.dtype, lv.utilization)
+    now = util.weights.bytes_per_param
     detail = (
-        f"{cfg.dtype_bytes} -> 1 byte per weight (int8/fp8 weight-only): "
+        f"{now:g} -> 1 byte per weight (int8/fp8 weight-only): "
         f"{q_bytes / base.bytes:.0%} of the bytes per decode step"
     )
-    return Optimization("weight quantization", "decode", "projected", cfg.dtype_bytes > 1,
+    if now <= 1:
+        detail = (f"weights are already {util.weights.name} ({now:.3g} "
+                  f"byte{'' if now == 1 else 's'} per weight)")
+    return Optimization("weight quantization", "decode", "projected", now > 1,
                         "decode step time", "s", before, after, detail)
 
 
@@ -250,7 +255,8 @@ def narrower_kv_cache(util: Utilization, cfg: ModelConfig, hw: HardwareSpec) -> 
     now = util.kv_dtype_bytes
     kv_bytes = max(1, now // 2)
     base = _decode(cfg, util, _ctx(lv))
-    narrow = fl.decode_bytes(cfg, _ctx(lv), cfg.dtype_bytes, kv_dtype_bytes=kv_bytes)
+    narrow = fl.decode_bytes(cfg, _ctx(lv), util.weights.bytes_per_param,
+                             kv_dtype_bytes=kv_bytes)
     before = _projected_s(base, hw, util.dtype, lv.utilization)
     after = _projected_s(fl.PhaseCost(base.flops, narrow), hw, util.dtype, lv.utilization)
     name = {2: "bf16", 1: "fp8"}.get(kv_bytes, f"{kv_bytes}-byte")

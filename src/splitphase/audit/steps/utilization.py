@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from splitphase.audit import flops as fl
 from splitphase.audit import roofline as rl
 from splitphase.audit.steps.profile import PointProfile, Profile
+from splitphase.audit.weights import WeightFormat, weight_format
 from splitphase.hardware.specs import HardwareSpec
 from splitphase.model.config import ModelConfig
 
@@ -78,13 +79,13 @@ class Utilization:
 
     prefill: PhaseResult
     decode: PhaseResult
-    dtype: str
+    dtype: str  # the matmuls' dtype, whose peak FLOP/s applies (an FP8 model's: float8)
     kv_dtype_bytes: int  # bytes per cached K or V element (a bf16 or fp8 cache is narrower)
+    weights: WeightFormat  # bytes per weight as served (a quantized model's are fewer)
 
 
-def compute_dtype(cfg: ModelConfig) -> str:
-    """The dtype whose peak FLOP/s applies: the model's own."""
-    return cfg.dtype
+def _weights(cfg: ModelConfig, weights: WeightFormat | None) -> WeightFormat:
+    return weights if weights is not None else weight_format(None, cfg.dtype)
 
 
 def _level(
@@ -112,31 +113,37 @@ def _level(
 
 
 def prefill_level(
-    p: PointProfile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+    p: PointProfile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None,
+    weights: WeightFormat | None = None,
 ) -> PhaseLevel:
     """Prefill of a point: all its prompts' FLOPs over the union of their prefill intervals."""
+    w = _weights(cfg, weights)
     n = max(1, round(p.prompt_tokens))
     together = max(1, round(p.prefill_overlap))
-    step = fl.step_cost(cfg, [(n, 0)] * together, [], cfg.dtype_bytes,
-                        kv_dtype_bytes=kv_dtype_bytes)
+    step = fl.step_cost(cfg, [(n, 0)] * together, [], w.bytes_per_param,
+                        kv_dtype_bytes=kv_dtype_bytes or cfg.dtype_bytes)
     # Weights are read once per batch of `together` prompts; the point ran n/together batches.
     return _level(
         p, step.total, p.n / together, p.prefill_busy_s, p.n * p.prompt_tokens, hw,
-        compute_dtype(cfg), together,
+        w.compute_dtype, together,
     )
 
 
 def decode_level(
-    p: PointProfile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+    p: PointProfile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None,
+    weights: WeightFormat | None = None,
 ) -> PhaseLevel:
     """One decode step of a point: its measured batch at its mean context, over the step time."""
+    w = _weights(cfg, weights)
     batch = max(1, round(p.decode_batch))
     context = max(0, round(p.decode_context_tokens))
-    cost = fl.decode_cost(cfg, [context] * batch, cfg.dtype_bytes, kv_dtype_bytes=kv_dtype_bytes)
-    return _level(p, cost, 1, p.decode_step_s, batch, hw, compute_dtype(cfg), batch)
+    cost = fl.decode_cost(cfg, [context] * batch, w.bytes_per_param,
+                          kv_dtype_bytes=kv_dtype_bytes or cfg.dtype_bytes)
+    return _level(p, cost, 1, p.decode_step_s, batch, hw, w.compute_dtype, batch)
 
 
-def _marginal_prefill(prof: Profile, cfg: ModelConfig, hw: HardwareSpec) -> float | None:
+def _marginal_prefill(prof: Profile, cfg: ModelConfig, hw: HardwareSpec, dtype: str
+                      ) -> float | None:
     """FLOPs per extra prompt token over seconds per extra prompt token (the TTFT slope)."""
     slope = prof.ttft_slope_s_per_token
     lens = sorted({round(p.prompt_tokens) for p in prof.points if p.concurrency == 1})
@@ -145,27 +152,31 @@ def _marginal_prefill(prof: Profile, cfg: ModelConfig, hw: HardwareSpec) -> floa
     dflops = (fl.prefill_flops(cfg, lens[-1]) - fl.prefill_flops(cfg, lens[0])) / (
         lens[-1] - lens[0]
     )
-    return dflops / slope / hw.peak_flops_per_s(compute_dtype(cfg))
+    return dflops / slope / hw.peak_flops_per_s(dtype)
 
 
 def utilization(
-    prof: Profile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None
+    prof: Profile, cfg: ModelConfig, hw: HardwareSpec, kv_dtype_bytes: int | None = None,
+    weights: WeightFormat | None = None,
 ) -> Utilization:
     """Step 3: utilization per phase and point; the headline is each phase's fastest point.
-    `kv_dtype_bytes`: the target's K/V cache width when narrower than the model's."""
-    dtype = compute_dtype(cfg)
+    `kv_dtype_bytes`: the target's K/V cache width when narrower than the model's; `weights`:
+    how it stores its weights (None: unquantized, in the model's dtype)."""
+    w = _weights(cfg, weights)
+    dtype = w.compute_dtype
     ridge = rl.ridge_point(hw, dtype)
     kv_b = cfg.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
-    pre = tuple(prefill_level(p, cfg, hw, kv_b) for p in prof.points)
-    dec = tuple(decode_level(p, cfg, hw, kv_b) for p in prof.points)
+    pre = tuple(prefill_level(p, cfg, hw, kv_b, w) for p in prof.points)
+    dec = tuple(decode_level(p, cfg, hw, kv_b, w) for p in prof.points)
     return Utilization(
         prefill=PhaseResult(
             "prefill", max(pre, key=lambda lv: lv.achieved_flops_per_s), pre, ridge,
-            _marginal_prefill(prof, cfg, hw),
+            _marginal_prefill(prof, cfg, hw, dtype),
         ),
         decode=PhaseResult("decode", max(dec, key=lambda lv: lv.tokens_per_s), dec, ridge),
         dtype=dtype,
         kv_dtype_bytes=kv_b,
+        weights=w,
     )
 
 

@@ -17,9 +17,11 @@ from typing import Any
 from splitphase.audit.targets import prometheus
 from splitphase.audit.targets.base import Codec, TokenizerCodec
 from splitphase.audit.trace import ProbeRequest, RequestTrace, trace_for
+from splitphase.audit.weights import quantization_in_config, quantization_in_name
 from splitphase.errors import UserError
 from splitphase.model.config import PRESETS, ConfigError, ModelConfig
 from splitphase.model.config_sources import (
+    config_doc,
     load_model_config,
     local_model_dir,
     preset_for_model_id,
@@ -84,6 +86,7 @@ class OpenAITarget:
         if self.kv_cache_dtype is None:  # SGLang states its cache in its server info instead
             self._read_server_info()
         self.preemptions: int | None = None  # over the probe, where the server counts them
+        self.quantization = self._stated_quantization()
         self._codec = TokenizerCodec(Tokenizer.default())
 
     def _get(self, path: str) -> Any:
@@ -143,6 +146,17 @@ class OpenAITarget:
         except (IndexError, ValueError) as exc:
             raise UserError(f"{what} did not stream `data: {{json}}` events (SSE)") from exc
 
+    def _stated_quantization(self) -> str | None:
+        """The weights' format the served model states: its config.json's quantization_config
+        where it is a directory on this machine, else a word of its name (`...-FP8`)."""
+        names = [n for n in (self.served_root, self.served_model) if n]
+        for name in names:
+            local = local_model_dir(name)
+            doc = config_doc(local) if local is not None else None
+            if doc is not None:
+                return quantization_in_config(doc)
+        return next((q for n in names if (q := quantization_in_name(n))), None)
+
     def _read_server_info(self) -> None:
         """SGLang's GET /get_server_info: its server args, the K/V cache dtype among them."""
         try:
@@ -195,6 +209,7 @@ class OpenAITarget:
             "policy": self.policy,  # the batching policy, where the server states it
             "preemptions": self.preemptions,
             "model_config_source": self.geometry_source,  # None: not asked for yet
+            "quantization": self.quantization,  # the weights' format its model states
         }
 
     def model_config(self) -> ModelConfig:
