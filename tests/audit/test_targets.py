@@ -169,6 +169,13 @@ def test_openai_geometry_from_a_served_directory_here(tmp_path: Path) -> None:
         target = open_target(f"openai:{url}")
         assert target.model_config() == ModelConfig.from_name("llama-3.2-1b")
         assert target.describe()["model_config_source"] == f"served model id {str(bad)!r}"
+        assert target.describe()["quantization"] is None
+    # The directory's quantization_config states the weights' format, over its name's words.
+    fp8 = tmp_path / "llama-awq"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    with FakeOpenAIServer(FakeTiming(model_id=str(fp8))) as url:
+        assert open_target(f"openai:{url}").describe()["quantization"] == "fp8"
 
 
 @pytest.mark.parametrize("base_s", [0.001, 0.15], ids=["short-ttft", "ttft-dwarfs-itl"])
