@@ -218,6 +218,7 @@ def _plan(args: argparse.Namespace) -> None:
         price_per_hour=args.price_per_hour, calibration=args.calibration, link=args.link,
         router=args.router, quick=args.quick, seed=args.seed, progress=not args.no_progress,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     ))
 
 
@@ -231,6 +232,8 @@ _WORKLOAD_HELP = (
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from splitphase.audit.weights import ALIASES as QUANTIZATION_ALIASES
+    from splitphase.audit.weights import QUANTIZATIONS
     from splitphase.engine.config import KV_CACHE_DTYPES
 
     pl = sub.add_parser("plan", help="size prefill and decode pools by simulation (goodput, cost)")
@@ -253,6 +256,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the replicas' K/V cache (auto: bf16, as the weights); fp8 fits twice "
                     "the tokens and halves decode's K/V reads and a disaggregated pair's transfer")
+    pl.add_argument("--quantization", default="none",
+                    choices=["none", *QUANTIZATIONS, *QUANTIZATION_ALIASES],
+                    help="the replicas' weights (vLLM's --quantization; none: bf16): fp8 halves "
+                    "the weights' memory and bytes per step and multiplies at the FP8 peak")
     pl.add_argument("--quick", action="store_true", help="a smaller search space")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--no-progress", action="store_true")

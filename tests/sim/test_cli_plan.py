@@ -74,6 +74,14 @@ def test_an_fp8_kv_cache_gives_every_replica_twice_the_blocks(tmp_path: Path) ->
     assert "K/V cache 1 byte/element" in (tmp_path / "plan" / "plan.html").read_text()
 
 
+def test_plan_with_fp8_weights(tmp_path: Path) -> None:
+    assert main(_args(tmp_path, **{"--max-gpus": "2", "--quantization": "fp8"}) + ["--quick"]) == 0
+    doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert doc["weights"] == {"format": "fp8", "bytes_per_param": 1.0,
+                              "compute_dtype": "float8"}
+    assert "weights fp8 (matmuls in float8)" in (tmp_path / "plan" / "plan.html").read_text()
+
+
 def test_the_plan_page_fits_a_laptop_screen(
     tmp_path: Path, render_page: Callable[[Path], dict[str, Any]]
 ) -> None:

@@ -13,6 +13,7 @@ from splitphase.hardware.specs import LINKS, get_hardware, get_link
 from splitphase.model.config import ModelConfig
 from splitphase.sim.calibrate import StepSample, fit_efficiency, prediction_error
 from splitphase.sim.cost_model import CostModel, CostModelError, Efficiency
+from splitphase.sim.step_work import step_work
 
 CFG = ModelConfig.from_name("llama-3.1-8b")
 H100 = get_hardware("h100-sxm")
@@ -86,6 +87,23 @@ def test_an_fp8_kv_cache_fits_twice_the_tokens_and_moves_half_the_kv() -> None:
     saved_long = bf16.step_time([], long_ctx).total_s - fp8.step_time([], long_ctx).total_s
     saved_short = bf16.step_time([], short_ctx).total_s - fp8.step_time([], short_ctx).total_s
     assert saved_long > 20 * saved_short > 0  # the K/V share of a decode step halves
+
+
+def test_fp8_weights_take_half_the_memory_and_multiply_at_the_fp8_peak() -> None:
+    bf16 = CostModel(CFG, H100)
+    fp8 = CostModel(CFG, H100, dtype="float8", weight_bytes_per_param=1.0)
+    assert fp8.weight_bytes * 2 == bf16.weight_bytes
+    assert fp8.kv_bytes_per_token() == bf16.kv_bytes_per_token()  # the cache stays bf16
+    assert fp8.num_kv_blocks(16) > bf16.num_kv_blocks(16)  # the memory the weights free
+    decode = [1000] * 8  # memory-bound: about half the bytes
+    assert fp8.step_time([], decode).total_s < 0.7 * bf16.step_time([], decode).total_s
+    prefill = [(4096, 0)]  # compute-bound: the FP8 peak is twice bf16's on an H100
+    assert fp8.step_time(prefill, []).total_s < 0.7 * bf16.step_time(prefill, []).total_s
+    assert fp8.allreduce_s(512) == bf16.allreduce_s(512)  # activations stay bf16
+    # The closed form counts the same bytes as the general formulas at any weight width.
+    int4 = CostModel(CFG, H100, weight_bytes_per_param=0.515625)
+    assert int4.step_time([(300, 0)], decode) == int4._time_of(
+        step_work(CFG, [(300, 0)], decode, 0.515625, 2))
 
 
 def test_efficiency_from_audit_report(tmp_path: Path) -> None:

@@ -41,8 +41,10 @@ ALIASES = {"awq": "int4", "gptq": "int4", "w4a16": "int4", "w8a16": "int8", "fbg
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def weight_format(quantization: str | None, model_dtype: str) -> WeightFormat:
-    """The format of `quantization` (None: the model's dtype, unquantized)."""
+def weight_format(quantization: str | None, model_dtype: str, fp8_matmuls: bool = True
+                  ) -> WeightFormat:
+    """The format of `quantization` (None: the model's dtype, unquantized). Without FP8
+    matmuls in the hardware (an A100), FP8 weights run weight-only, as vLLM runs them there."""
     if quantization is None:
         return WeightFormat(model_dtype, _DTYPE_BYTES.get(model_dtype, 2), model_dtype)
     name = ALIASES.get(quantization.lower(), quantization.lower())
@@ -50,6 +52,8 @@ def weight_format(quantization: str | None, model_dtype: str) -> WeightFormat:
         choices = ", ".join([*QUANTIZATIONS, *ALIASES])
         raise UserError(f"quantization must be one of {choices}, got {quantization!r}")
     bytes_per_param, compute = QUANTIZATIONS[name]
+    if compute == "float8" and not fp8_matmuls:
+        compute = None
     return WeightFormat(name, bytes_per_param, compute or model_dtype)
 
 

@@ -163,10 +163,7 @@ def _weights(
     else:
         stated = described.get("quantization")
         name, source = stated, ("target" if stated else "model")
-    fmt = weight_format(name, cfg.dtype)
-    if fmt.compute_dtype == "float8" and hw.peak_fp8_flops_per_s is None:
-        # No FP8 matmuls on this hardware (an A100): vLLM runs FP8 weights weight-only there.
-        fmt = replace(fmt, compute_dtype=cfg.dtype)
+    fmt = weight_format(name, cfg.dtype, fp8_matmuls=hw.peak_fp8_flops_per_s is not None)
     return {**described, "quantization": fmt.name if fmt.quantized else None,
             "quantization_source": source}, fmt
 

@@ -31,6 +31,7 @@ class PlanOptions:
     seed: int = 0
     progress: bool = True
     kv_cache_dtype: str = "auto"  # the pools' K/V cache ("auto": the bf16 the planner prices)
+    quantization: str = "none"  # the replicas' weights (audit.weights' names; none: bf16)
 
 
 def _check(opts: PlanOptions) -> None:
@@ -51,6 +52,7 @@ def _check(opts: PlanOptions) -> None:
 
 def plan_inputs(opts: PlanOptions) -> Any:
     """Validated `PlanInputs` from the command-line options."""
+    from splitphase.audit.weights import weight_format
     from splitphase.commands.audit import resolve_hardware
     from splitphase.engine.config import kv_cache_dtype_bytes
     from splitphase.hardware.specs import HardwareError, get_link
@@ -75,9 +77,12 @@ def plan_inputs(opts: PlanOptions) -> Any:
                         disagg_tps=((1, 1),), disagg_ratios=((1, 1), (2, 1), (1, 2)))
     # "auto": as the weights, which the planner prices in bf16 (CostModel's 2 bytes).
     kv_b = None if opts.kv_cache_dtype == "auto" else kv_cache_dtype_bytes(opts.kv_cache_dtype, 2)
+    q = None if opts.quantization == "none" else opts.quantization
+    fp8 = hw.peak_fp8_flops_per_s is not None
+    weights = None if q is None else weight_format(q, "bfloat16", fp8_matmuls=fp8)
     return PlanInputs(model, hw, workload, opts.rate, SLO(opts.slo_ttft_s, opts.slo_tpot_s,
                       opts.attainment), opts.max_gpus, opts.num_requests, opts.seed, link,
-                      opts.router, eff, space, kv_dtype_bytes=kv_b)
+                      opts.router, eff, space, kv_dtype_bytes=kv_b, weights=weights)
 
 
 def plan(opts: PlanOptions) -> dict[str, Any]:

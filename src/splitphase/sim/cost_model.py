@@ -133,6 +133,9 @@ class CostModel:
     # The K/V cache's bytes per element (an fp8 cache: 1); None: dtype_bytes. Sets how many
     # tokens fit, the K/V bytes a step reads and what a disaggregated pair sends.
     kv_dtype_bytes: int | None = None
+    # Bytes per weight when the weights are narrower than dtype_bytes (quantized: FP8 1, INT4
+    # about 0.52); None: dtype_bytes. dtype is then the matmuls' (FP8's: float8).
+    weight_bytes_per_param: float | None = None
 
     def __post_init__(self) -> None:
         cfg = self.model
@@ -157,12 +160,20 @@ class CostModel:
     @property
     def weight_bytes(self) -> float:
         """Bytes of weights per device (split evenly by tensor parallelism)."""
-        return param_count(self.model) * self.dtype_bytes / self.tp
+        return param_count(self.model) * self._weight_b / self.tp
+
+    @property
+    def _weight_b(self) -> float:
+        w = self.weight_bytes_per_param
+        return self.dtype_bytes if w is None else w
+
+    @property
+    def _kv_b(self) -> int:
+        return self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token across the replica's devices."""
-        kv_b = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
-        return kv_bytes_per_token(self.model, kv_b)
+        return kv_bytes_per_token(self.model, self._kv_b)
 
     def num_kv_blocks(self, block_size: int, memory_fraction: float = DEFAULT_MEMORY_FRACTION
                       ) -> int:
@@ -179,8 +190,8 @@ class CostModel:
     def step_time(self, chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]
                   ) -> StepTime:
         """Time of a step with prefill chunks (new, before) and decodes (cached lengths)."""
-        return self._time_of(step_work(self.model, chunks, decode_context_lens, self.dtype_bytes,
-                                       self.kv_dtype_bytes))
+        return self._time_of(step_work(self.model, chunks, decode_context_lens, self._weight_b,
+                                       self._kv_b))
 
     def step_time_of(self, out: SchedulerOutput) -> StepTime:
         """Time of one scheduled step (equal to `step_time` of its chunks and decodes)."""
@@ -244,7 +255,7 @@ class CostModel:
         cfg = self.model
         if cfg.is_moe or cfg.is_dual_flow:
             return None
-        return DenseStepWork(cfg, self.dtype_bytes, self.kv_dtype_bytes)
+        return DenseStepWork(cfg, self._weight_b, self._kv_b)
 
     @cached_property
     def _rates(self) -> tuple[float, float, float]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from splitphase.audit.weights import WeightFormat
 from splitphase.engine.scheduler import SchedulerConfig
 from splitphase.errors import UserError
 from splitphase.hardware.specs import HardwareSpec, LinkSpec, get_link
@@ -63,6 +64,14 @@ class PlanInputs:
     max_requests_factor: int = 20  # a goodput probe simulates at most this many x num_requests
     length_cap: int | None = None  # prompt + output tokens per request; None: the model context
     kv_dtype_bytes: int | None = None  # the K/V cache's width (fp8: 1); None: the model's
+    weights: WeightFormat | None = None  # quantized weights; None: bf16, as the activations
+
+    def weight_kwargs(self) -> dict[str, Any]:
+        """The cost model's dtype and weight width for quantized weights (none: its defaults)."""
+        w = self.weights
+        if w is None:
+            return {}
+        return {"dtype": w.compute_dtype, "weight_bytes_per_param": w.bytes_per_param}
 
     def horizon_s(self) -> float:
         """Arrival span a probe should cover so queueing shows in its latencies, not only the
@@ -135,7 +144,7 @@ def candidate_units(inp: PlanInputs, longest_request: int) -> list[ClusterConfig
     def cost(tp: int) -> CostModel | None:
         try:
             c = CostModel(inp.model, inp.hardware, tp, inp.efficiency,
-                          kv_dtype_bytes=inp.kv_dtype_bytes)
+                          kv_dtype_bytes=inp.kv_dtype_bytes, **inp.weight_kwargs())
             c.num_kv_blocks(BLOCK_SIZE)
             return c
         except CostModelError:
@@ -181,7 +190,8 @@ def saturation_rate(inp: PlanInputs, unit: ClusterConfig) -> float:
     seats = sum(p.replicas * p.scheduler.max_num_seqs for p in unit.pools())
     n = max(inp.num_requests, min(2 * seats, 4 * inp.num_requests))
     reqs = inp.workload.with_rate(1e9).generate(n, inp.seed, _max_len(inp))
-    res = simulate(unit, inp.model, inp.hardware, reqs, kv_dtype_bytes=inp.kv_dtype_bytes)
+    res = simulate(unit, inp.model, inp.hardware, reqs, kv_dtype_bytes=inp.kv_dtype_bytes,
+                   **inp.weight_kwargs())
     return n / max(res.makespan_s - reqs[0].arrival_s, 1e-12)
 
 
@@ -190,7 +200,7 @@ def run_at(inp: PlanInputs, cluster: ClusterConfig, rate_per_s: float, num_reque
     """Simulate `cluster` on the workload at `rate_per_s`."""
     reqs = inp.workload.with_rate(rate_per_s).generate(num_requests, inp.seed, _max_len(inp))
     return simulate(cluster, inp.model, inp.hardware, reqs,
-                    kv_dtype_bytes=inp.kv_dtype_bytes), reqs
+                    kv_dtype_bytes=inp.kv_dtype_bytes, **inp.weight_kwargs()), reqs
 
 
 def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:

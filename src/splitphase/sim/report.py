@@ -139,6 +139,9 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
         "num_requests": inp.num_requests,
         "efficiency": inp.efficiency.to_dict(),
         "kv_dtype_bytes": inp.kv_dtype_bytes,  # None: as the weights (bf16)
+        "weights": None if inp.weights is None else {  # None: bf16
+            "format": inp.weights.name, "bytes_per_param": inp.weights.bytes_per_param,
+            "compute_dtype": inp.weights.compute_dtype},
         "kv_link": {"name": inp.link.name, "bytes_per_s": inp.link.bytes_per_s,
                     "latency_s": inp.link.latency_s},
         "router": inp.router,
@@ -211,8 +214,10 @@ def plots(doc: dict[str, Any], cands: list[Candidate]) -> dict[str, str]:
 
 
 def _kv_note(doc: dict[str, Any]) -> str:
-    width = doc.get("kv_dtype_bytes")
-    return "" if width is None else f"; K/V cache {element_bytes(width)}"
+    width, weights = doc.get("kv_dtype_bytes"), doc.get("weights")
+    kv = "" if width is None else f"; K/V cache {element_bytes(width)}"
+    return kv if weights is None else (f"; weights {weights['format']} "
+                                       f"(matmuls in {weights['compute_dtype']})" + kv)
 
 
 def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:

@@ -79,10 +79,12 @@ class Simulation:
 
     def __init__(self, cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
                  record_steps: bool = False, dtype: str = "bfloat16", dtype_bytes: int = 2,
-                 fast_forward: bool = True, kv_dtype_bytes: int | None = None) -> None:
+                 fast_forward: bool = True, kv_dtype_bytes: int | None = None,
+                 weight_bytes_per_param: float | None = None) -> None:
         self.cluster = cluster
         base = CostModel(model, hardware, dtype=dtype, dtype_bytes=dtype_bytes,
-                         kv_dtype_bytes=kv_dtype_bytes)
+                         kv_dtype_bytes=kv_dtype_bytes,
+                         weight_bytes_per_param=weight_bytes_per_param)
         self.colocated: list[Replica] = []
         self.prefill: list[Replica] = []
         self.decode: list[Replica] = []
@@ -209,11 +211,13 @@ class Simulation:
 def simulate(cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
              requests: Sequence[SimRequest], record_steps: bool = False,
              dtype: str = "bfloat16", dtype_bytes: int = 2, fast_forward: bool = True,
-             kv_dtype_bytes: int | None = None) -> SimResult:
+             kv_dtype_bytes: int | None = None, weight_bytes_per_param: float | None = None
+             ) -> SimResult:
     """Run `requests` through `cluster` and return what happened.
 
     fast_forward=False steps every decode through the scheduler (the same results, slower);
-    kv_dtype_bytes: the K/V cache's width (None: dtype_bytes).
+    kv_dtype_bytes: the K/V cache's width (None: dtype_bytes); weight_bytes_per_param:
+    quantized weights' (None: dtype_bytes), with dtype their matmuls' dtype.
     """
     return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes,
-                      fast_forward, kv_dtype_bytes).run(requests)
+                      fast_forward, kv_dtype_bytes, weight_bytes_per_param).run(requests)

@@ -44,7 +44,7 @@ class StepWork(NamedTuple):
 
 
 def step_work(cfg: ModelConfig, chunks: Sequence[tuple[int, int]],
-              decode_context_lens: Sequence[int], dtype_bytes: int,
+              decode_context_lens: Sequence[int], dtype_bytes: float,
               kv_dtype_bytes: int | None = None) -> StepWork:
     """The general path: chunks are (new, before), decodes their cached lengths."""
     kv = kv_dtype_bytes
@@ -59,7 +59,7 @@ def step_work(cfg: ModelConfig, chunks: Sequence[tuple[int, int]],
 class DenseStepWork:
     """`step_work` of a dense model from row counts (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, dtype_bytes: int, kv_dtype_bytes: int | None = None
+    def __init__(self, cfg: ModelConfig, dtype_bytes: float, kv_dtype_bytes: int | None = None
                  ) -> None:
         if cfg.is_moe or cfg.is_dual_flow:
             raise ValueError(f"{cfg.name}: the closed form covers dense single-flow models only")
@@ -72,8 +72,8 @@ class DenseStepWork:
         self.logit_flops = 2 * head_rows
         params = layers * (pq + pkv + po + norm_params_per_layer(cfg) + mlp) + head_rows + d_model
         self.dtype_bytes, self.params, self.d_model = dtype_bytes, params, d_model
-        self.kv_bytes = kv_bytes_per_token(cfg, dtype_bytes if kv_dtype_bytes is None
-                                           else kv_dtype_bytes)
+        kv_b = max(1, int(dtype_bytes)) if kv_dtype_bytes is None else kv_dtype_bytes
+        self.kv_bytes = kv_bytes_per_token(cfg, kv_b)  # None: as wide as the weights
 
     def _flops(self, rows: int, pairs: int, logits: int) -> float:
         return float(self.row_flops * rows + self.pair_flops * pairs + self.logit_flops * logits)
