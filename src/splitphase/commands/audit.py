@@ -6,11 +6,15 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitphase.errors import UserError
 from splitphase.model.config import ModelConfig
 from splitphase.model.config_sources import config_doc, load_model_config
+
+if TYPE_CHECKING:
+    from splitphase.audit.weights import WeightFormat
+    from splitphase.hardware.specs import HardwareSpec
 
 DEMO_TARGET = "builtin:small"
 DEMO_OUT = "splitphase-report"
@@ -146,8 +150,8 @@ def _kv_cache(
 
 
 def _weights(
-    opts: AuditOptions, described: dict[str, Any], cfg: ModelConfig, hw: Any
-) -> tuple[dict[str, Any], Any]:
+    opts: AuditOptions, described: dict[str, Any], cfg: ModelConfig, hw: HardwareSpec
+) -> tuple[dict[str, Any], WeightFormat]:
     """How the target stores its weights (the option, else what --model-config's config.json
     states, else what the target states, else unquantized in the model's dtype), recorded in
     its description with where that came from."""
