@@ -84,6 +84,8 @@ def _compressed_tensors(q: dict[str, Any]) -> str | None:
     if bits == 8 and kind == "float":
         return "fp8"
     if kind == "int" and bits in (4, 8):
+        # W8A8 (int8 activations too) is priced by its weight bytes; its int8 matmuls' peak,
+        # which the hardware table lacks, is then taken as the activations' dtype's.
         return "int4" if bits == 4 else "int8"
     return None
 
