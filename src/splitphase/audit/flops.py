@@ -98,8 +98,7 @@ class _Work:
 
 def attn_matmul_params(cfg: ModelConfig) -> tuple[int, int, int]:
     """(Pq, Pkv, Po) per layer: the query, key+value and output projections."""
-    d_model = cfg.d_model
-    return d_model * cfg.q_dim, 2 * d_model * cfg.kv_dim, cfg.q_dim * d_model
+    return cfg.d_model * cfg.q_dim, 2 * cfg.d_model * cfg.kv_dim, cfg.q_dim * cfg.d_model
 
 
 def mlp_params(cfg: ModelConfig, routed: float) -> float:
@@ -251,10 +250,13 @@ def _weight_bytes(cfg: ModelConfig, work: _Work, dtype_bytes: float) -> float:
 def _bytes(cfg: ModelConfig, work: _Work, dtype_bytes: float, kv_dtype_bytes: int | None) -> float:
     if work.pri_rows == 0:
         return 0.0  # nothing scheduled: no weights are read
-    # None: as wide as the weights (a caller with quantized weights states the cache's width).
+    return _weight_bytes(cfg, work, dtype_bytes) + _kv_bytes(cfg, work, dtype_bytes, kv_dtype_bytes)
+
+
+def _kv_bytes(cfg: ModelConfig, work: _Work, dtype_bytes: float, kv_dtype_bytes: int | None) -> int:
+    """K/V read and written; kv_dtype_bytes None: as wide as the weights (quantized: give it)."""
     kv_b = max(1, int(dtype_bytes)) if kv_dtype_bytes is None else kv_dtype_bytes
-    kv = kv_bytes_per_token(cfg, kv_b) * (work.kv_read + work.pri_rows)  # aux writes no KV
-    return _weight_bytes(cfg, work, dtype_bytes) + kv
+    return kv_bytes_per_token(cfg, kv_b) * (work.kv_read + work.pri_rows)
 
 
 def _check_bytes(dtype_bytes: float, kv_dtype_bytes: int | None) -> None:
@@ -325,9 +327,8 @@ def prefill_cost(
     cfg: ModelConfig, prompt_len: int, dtype_bytes: float = 2, *, kv_dtype_bytes: int | None = None
 ) -> PhaseCost:
     """FLOPs and bytes of prefilling one prompt from scratch (logits at the last position)."""
-    flops = prefill_flops(cfg, prompt_len)
     nbytes = prefill_bytes(cfg, prompt_len, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes)
-    return PhaseCost(flops, nbytes)
+    return PhaseCost(prefill_flops(cfg, prompt_len), nbytes)
 
 
 def decode_cost(
@@ -341,9 +342,8 @@ def decode_cost(
 
 def training_flops(cfg: ModelConfig, seq_len: int, *, causal_attention: bool = True) -> float:
     """Forward + backward matmul FLOPs for one sequence: 3x a forward with logits everywhere."""
-    return 3 * prefill_flops(
-        cfg, seq_len, logits_positions=seq_len, causal_attention=causal_attention
-    )
+    return 3 * prefill_flops(cfg, seq_len, logits_positions=seq_len,
+                             causal_attention=causal_attention)
 
 
 def step_cost(
@@ -396,7 +396,5 @@ def attention_cost(
     for new, before in prefill_chunks:
         work = work + _chunk_work(cfg, new, before, min(1, new), True)
     flops = cfg.n_layers * 4 * cfg.q_dim * (work.pri_pairs + work.aux_pairs)
-    # None: as wide as the weights (a caller with quantized weights states the cache's width).
-    kv_b = max(1, int(dtype_bytes)) if kv_dtype_bytes is None else kv_dtype_bytes
-    kv = kv_bytes_per_token(cfg, kv_b) * (work.kv_read + work.pri_rows) if work.pri_rows else 0
+    kv = _kv_bytes(cfg, work, dtype_bytes, kv_dtype_bytes) if work.pri_rows else 0
     return PhaseCost(float(flops), float(kv))

@@ -114,9 +114,8 @@ class SchedulerOutput:
     block_copies: tuple[tuple[int, int], ...]  # (src, dst) block ids: copy before the forward
     kv_loads: tuple[ScheduledKVLoad, ...]  # decode role only: load before the forward
     block_size: int
-    # Admissions' prefix-cache lookups this step (vLLM's prefix_cache_queries / _hits): tokens.
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
+    prefix_cache_queries_tokens: int = 0  # admissions' prompt tokens looked up this step
+    prefix_cache_hits_tokens: int = 0  # of those, found (vLLM's prefix_cache_queries / _hits)
 
     @property
     def num_prefill_tokens(self) -> int:

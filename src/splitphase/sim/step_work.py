@@ -73,7 +73,7 @@ class DenseStepWork:
         params = layers * (pq + pkv + po + norm_params_per_layer(cfg) + mlp) + head_rows + d_model
         self.dtype_bytes, self.params, self.d_model = dtype_bytes, params, d_model
         kv_b = max(1, int(dtype_bytes)) if kv_dtype_bytes is None else kv_dtype_bytes
-        self.kv_bytes = kv_bytes_per_token(cfg, kv_b)  # None: as wide as the weights
+        self.kv_bytes = kv_bytes_per_token(cfg, kv_b)  # None: as wide as the weights (_kv_bytes)
 
     def _flops(self, rows: int, pairs: int, logits: int) -> float:
         return float(self.row_flops * rows + self.pair_flops * pairs + self.logit_flops * logits)
