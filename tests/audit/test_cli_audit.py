@@ -201,7 +201,8 @@ def test_hf_audit_refuses_a_kv_cache_dtype(capsys: pytest.CaptureFixture[str],
 
 def test_compare_two_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     slow = FakeTiming(prefill_s_per_token=1e-4, itl_s=0.006, cache_dtype="auto")
-    fast = FakeTiming(prefill_s_per_token=2e-5, itl_s=0.003, cache_dtype="fp8")
+    fast = FakeTiming(prefill_s_per_token=2e-5, itl_s=0.003, cache_dtype="fp8",
+                      model_id="org/model-FP8")  # its name states FP8 weights
     with FakeOpenAIServer(slow) as a, FakeOpenAIServer(fast) as b:
         assert main(["compare", f"openai:{a}", f"openai:{b}", "--quick", "--no-progress",
                      "--out", str(tmp_path)]) == 0
@@ -213,7 +214,8 @@ def test_compare_two_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert other["decode_tokens_per_s"] > base["decode_tokens_per_s"]
     assert (base["kv_cache_dtype"], other["kv_cache_dtype"]) == ("auto", "fp8")
     assert doc["verdicts"][0].endswith("(K/V cache fp8 vs auto)")  # decode reads fewer bytes
-    assert "| K/V cache |" in (tmp_path / "compare.md").read_text()
+    assert (base["weights"], other["weights"]) == (None, "fp8")  # one states none
+    assert "| K/V cache | weights |" in (tmp_path / "compare.md").read_text()
     assert 'src="data:image/png;base64,' in (tmp_path / "compare.html").read_text()
 
 

@@ -306,6 +306,10 @@ def test_compare_verdicts_print_the_table_ratios() -> None:
               PhaseSpeeds("b", 0.05, 0.003, 1000.0, 150.0, 50.0, "fp8")]
     assert verdicts(stated)[0].endswith("decode 1.50x faster (K/V cache fp8 vs bfloat16)")
     assert not verdicts([base, stated[1]])[0].endswith(")")  # one unstated: nothing to contrast
+    quantized = [PhaseSpeeds("a", 0.05, 0.003, 1000.0, 100.0, 50.0, "bfloat16", "bfloat16"),
+                 PhaseSpeeds("b", 0.05, 0.003, 1000.0, 180.0, 50.0, "fp8", "fp8")]
+    assert verdicts(quantized)[0].endswith(
+        "(K/V cache fp8 vs bfloat16; weights fp8 vs bfloat16)")
 
 
 def test_measured_policies_supersede_the_ideal_isolation_gain() -> None:

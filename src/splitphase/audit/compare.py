@@ -20,6 +20,7 @@ class PhaseSpeeds:
     decode_tokens_per_s: float  # best point: streams decoding at once over the step time
     decode_tokens_per_s_single: float  # one stream: 1 / p50 step at concurrency 1
     kv_cache_dtype: str | None = None  # as the target states it; decode reads K/V at its width
+    weights: str | None = None  # its weights' format as it states it (None: not stated)
 
 
 def kv_cache_of(described: dict[str, Any]) -> str | None:
@@ -29,7 +30,16 @@ def kv_cache_of(described: dict[str, Any]) -> str | None:
     return described.get("kv_cache_dtype")
 
 
-def phase_speeds(spec: str, prof: Profile, kv_cache_dtype: str | None = None) -> PhaseSpeeds:
+def weights_of(described: dict[str, Any]) -> str | None:
+    """A target's weight format: the quantization an openai: server's model states, or the
+    dtype an in-process model runs in."""
+    if described.get("kind") in ("builtin", "hf"):
+        return described.get("dtype")
+    return described.get("quantization")
+
+
+def phase_speeds(spec: str, prof: Profile, kv_cache_dtype: str | None = None,
+                 weights: str | None = None) -> PhaseSpeeds:
     """Per-phase speeds of one target's profile."""
     single = [p for p in prof.points if p.concurrency == 1] or list(prof.points)
     return PhaseSpeeds(
@@ -40,6 +50,7 @@ def phase_speeds(spec: str, prof: Profile, kv_cache_dtype: str | None = None) ->
         decode_tokens_per_s=max(p.decode_batch / p.decode_step_s for p in prof.points),
         decode_tokens_per_s_single=max(1 / p.decode_step_s for p in single),
         kv_cache_dtype=kv_cache_dtype,
+        weights=weights,
     )
 
 
@@ -61,10 +72,13 @@ def verdicts(speeds: list[PhaseSpeeds]) -> list[str]:
         dec = s.decode_tokens_per_s / base.decode_tokens_per_s
         caches = {s.kv_cache_dtype, base.kv_cache_dtype}
         differ = None not in caches and len(caches) > 1  # decode then reads different bytes
+        notes = [f"K/V cache {s.kv_cache_dtype} vs {base.kv_cache_dtype}"] if differ else []
+        formats = {s.weights, base.weights}
+        if None not in formats and len(formats) > 1:  # so do weights of another format
+            notes.append(f"weights {s.weights} vs {base.weights}")
         out.append(f"{s.spec} vs {base.spec}: {_ratio_words('prefill', pre)}, "
                    f"{_ratio_words('decode', dec)}"
-                   + (f" (K/V cache {s.kv_cache_dtype} vs {base.kv_cache_dtype})"
-                      if differ else ""))
+                   + (f" ({'; '.join(notes)})" if notes else ""))
     return out
 
 
@@ -72,7 +86,8 @@ def table_rows(speeds: list[PhaseSpeeds]) -> list[list[str]]:
     """Rows of the comparison table, ratios against the first target."""
     base = speeds[0]
     return [
-        [s.spec, s.kv_cache_dtype or "not stated", f"{s.ttft_p50_s * 1e3:.1f} ms",
+        [s.spec, s.kv_cache_dtype or "not stated", s.weights or "not stated",
+         f"{s.ttft_p50_s * 1e3:.1f} ms",
          fmt.rate(s.prefill_tokens_per_s),
          f"{s.prefill_tokens_per_s / base.prefill_tokens_per_s:.2f}x",
          f"{s.itl_p50_s * 1e3:.2f} ms", fmt.rate(s.decode_tokens_per_s),
@@ -81,8 +96,8 @@ def table_rows(speeds: list[PhaseSpeeds]) -> list[list[str]]:
     ]
 
 
-TABLE_HEADER = ["target", "K/V cache", "TTFT p50", "prefill tok/s", "prefill vs first", "ITL p50",
-                "decode tok/s", "decode vs first"]
+TABLE_HEADER = ["target", "K/V cache", "weights", "TTFT p50", "prefill tok/s", "prefill vs first",
+                "ITL p50", "decode tok/s", "decode vs first"]
 
 
 def compare_doc(speeds: list[PhaseSpeeds]) -> dict[str, Any]:

@@ -213,7 +213,7 @@ def compare(
         plan = plan_for(max_len, quick)
         speeds = [
             cmp.phase_speeds(spec, profile(run_probe(t, plan, max_len, progress).traces),
-                             cmp.kv_cache_of(t.describe()))
+                             cmp.kv_cache_of(t.describe()), cmp.weights_of(t.describe()))
             for spec, t in zip(targets, opened, strict=True)
         ]
     finally:
