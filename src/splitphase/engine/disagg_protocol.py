@@ -99,8 +99,8 @@ class OutputRecord:
     first_scheduled_offset_s: float | None
     num_preemptions: int = 0
     prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
-    # Its latest (re)prefill and the prefix-cache hits of that admission (the server's
-    # prefix_cache counters); 0: not stated.
+    # Its latest (re)prefill and the prefix-cache hits of that admission, so the front end's
+    # Request reads as the worker's (RequestOutput.request); 0: not stated.
     prefill_len: int = 0
     num_cached_tokens: int = 0
 
