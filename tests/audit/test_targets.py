@@ -305,6 +305,20 @@ def test_sglang_states_its_cache_in_its_server_info(timing: FakeTiming, stated: 
             described["max_num_seqs"]) == stated
 
 
+def test_sglang_names_its_weights_and_model_path_in_its_server_info() -> None:
+    # Served as "default" (--served-model-name): the model path names the preset, the server
+    # arguments the quantization (SGLang's own name for vLLM's fp8).
+    info = {"model_path": "meta-llama/Llama-3.1-8B-Instruct", "quantization": "w8a8_fp8"}
+    with FakeOpenAIServer(FakeTiming(model_id="default", server_info=info)) as url:
+        target = open_target(f"openai:{url}")
+        assert target.model_config() == ModelConfig.from_name("llama-3.1-8b")
+        described = target.describe()
+        target.close()
+    assert described["quantization"] == "fp8"
+    assert described["model_config_source"] == (
+        "served model root 'meta-llama/Llama-3.1-8B-Instruct'")
+
+
 def test_builtin_counts_the_preemptions_of_a_pool_too_small(tiny_ckpt: Path) -> None:
     from splitphase.engine.config import EngineConfig
     from splitphase.engine.llm_engine import LLMEngine

@@ -37,7 +37,8 @@ QUANTIZATIONS: dict[str, tuple[float, str | None]] = {
     "int8": (1.0, None),
     "int4": (4.125 / 8, None),
 }
-ALIASES = {"awq": "int4", "gptq": "int4", "w4a16": "int4", "w8a16": "int8", "fbgemm_fp8": "fp8"}
+ALIASES = {"awq": "int4", "gptq": "int4", "w4a16": "int4", "w8a16": "int8", "fbgemm_fp8": "fp8",
+           "w8a8_fp8": "fp8"}  # SGLang's name for vLLM's fp8
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -90,7 +91,7 @@ def _compressed_tensors(q: dict[str, Any]) -> str | None:
     return None
 
 
-_NAME_WORDS = re.compile(r"(?:^|[-_./])(fp8|int8|int4|awq|gptq|w4a16|w8a16)(?=$|[-_./])")
+_NAME_WORDS = re.compile(r"(?:^|[-_./])(w8a8_fp8|fp8|int8|int4|awq|gptq|w4a16|w8a16)(?=$|[-_./])")
 
 
 def quantization_in_name(name: str) -> str | None:

@@ -83,6 +83,7 @@ class OpenAITarget:
         self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
         self.max_num_seqs = prometheus.max_num_seqs(text) if text is not None else None
         self.policy = prometheus.scheduler_policy(text) if text is not None else None
+        self._server_quantization: str | None = None  # as SGLang's server info names it
         if self.kv_cache_dtype is None:  # SGLang states its cache in its server info instead
             self._read_server_info()
         self.preemptions: int | None = None  # over the probe, where the server counts them
@@ -155,6 +156,8 @@ class OpenAITarget:
             doc = config_doc(local) if local is not None else None
             if doc is not None:
                 return quantization_in_config(doc)
+        if self._server_quantization is not None:
+            return self._server_quantization
         return next((q for n in names if (q := quantization_in_name(n))), None)
 
     def _read_server_info(self) -> None:
@@ -169,6 +172,12 @@ class OpenAITarget:
         dtype = info.get("kv_cache_dtype")
         if isinstance(dtype, str):
             self.kv_cache_dtype = SGLANG_CACHE_DTYPES.get(dtype, dtype)
+        quant = info.get("quantization")  # its --quantization: fp8, awq, gptq, w8a8_fp8, ...
+        if isinstance(quant, str):
+            self._server_quantization = quantization_in_name(quant)
+        path = info.get("model_path")  # where its weights live: a directory, or a hub name
+        if self.served_root is None and isinstance(path, str):
+            self.served_root = path
         for attr, key in (("kv_pool_tokens", "max_total_num_tokens"),
                           ("max_num_seqs", "max_running_requests")):
             value = info.get(key)
