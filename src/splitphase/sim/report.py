@@ -138,7 +138,7 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
         "max_gpus": inp.max_gpus,
         "num_requests": inp.num_requests,
         "efficiency": inp.efficiency.to_dict(),
-        "kv_dtype_bytes": inp.kv_dtype_bytes,  # None: as the weights (bf16)
+        "kv_dtype_bytes": inp.kv_dtype_bytes,  # None: bf16, as the activations
         "weights": None if inp.weights is None else {  # None: bf16
             "format": inp.weights.name, "bytes_per_param": inp.weights.bytes_per_param,
             "compute_dtype": inp.weights.compute_dtype},
