@@ -248,6 +248,11 @@ def test_openai_audit_prices_quantized_weights(tmp_path: Path) -> None:
     none = docs["none"]
     assert none["target"]["quantization"] is None and none["model"]["weight_bytes_per_param"] == 2
     assert none["target"]["quantization_source"] == "option"
+    # The fake server streams faster than an 8B model could on an H100: the warning names the
+    # geometry's source, and (where no format was stated or chosen) the option to state one.
+    too_fast = "the geometry taken from the served model id " + repr(served)
+    assert any(too_fast in w and "--quantization" not in w for w in stated["warnings"])
+    assert all("--quantization" not in w for w in none["warnings"])
     assert docs["file"]["target"]["quantization"] == "int4"  # --model-config's file wins
     assert docs["file"]["target"]["quantization_source"] == "model-config"
 

@@ -128,3 +128,23 @@ def test_money_keeps_three_significant_digits_below_a_dollar() -> None:
              0.0: "$0.00", 3.1: "$3.10", 1234.5: "$1,234.50", -0.02: "-$0.0200", -5.0: "-$5.00"}
     assert {x: money(x) for x in cases} == cases
     assert money(None) == "-"
+
+
+@pytest.mark.parametrize(("target", "cause"), [
+    ({"kind": "builtin"}, "or --model-config is larger than the served model."),
+    ({"kind": "openai"}, "or --model-config is larger than the served model, or the server "
+     "quantizes its weights (pass --quantization)."),
+    ({"kind": "openai", "quantization": "fp8", "model_config_source": "served model id 'x'"},
+     "or the geometry taken from the served model id 'x' is larger than the served model."),
+])
+def test_a_level_over_the_peak_names_what_the_audit_may_have_overpriced(
+    target: dict[str, Any], cause: str
+) -> None:
+    from splitphase.audit.report.summary import warnings_for
+
+    level = {"point": "len=32 c=1", "flops_utilization": 0.1, "bandwidth_utilization": 1.2}
+    doc = {"prefill": {"levels": []}, "decode": {"levels": [level]},
+           "hardware": {"name": "h100-sxm"}, "target": target}
+    (warning,) = warnings_for(doc)
+    assert warning.startswith("Warning: decode at len=32 c=1 measures above 100%")
+    assert warning.endswith(cause)

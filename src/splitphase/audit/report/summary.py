@@ -93,6 +93,19 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     return [line[0].upper() + line[1:] + "." for line in lines] + doc.get("warnings", [])
 
 
+def _priced_larger(doc: dict[str, Any]) -> str:
+    """How the audit may have priced more work than the server does: the geometry it was given
+    or took from a name, or weights the server stores narrower than the audit knows."""
+    target = doc["target"]
+    source = target.get("model_config_source") or ""
+    geometry = (f"the geometry taken from the {source} is" if source.startswith("served")
+                else "--model-config is")
+    quantizes = (target.get("kind") == "openai" and not target.get("quantization")
+                 and target.get("quantization_source") != "option")
+    return (f"{geometry} larger than the served model"
+            + (", or the server quantizes its weights (pass --quantization)" if quantizes else ""))
+
+
 def warnings_for(doc: dict[str, Any]) -> list[str]:
     """Signs that a figure cannot be trusted, such as utilization above 100%."""
     out = []
@@ -102,8 +115,7 @@ def warnings_for(doc: dict[str, Any]) -> list[str]:
                 out.append(
                     f"Warning: {phase} at {lv['point']} measures above 100% of "
                     f"{doc['hardware']['name']}'s peak, so the peak is too low (a calibration "
-                    "taken under load, or the wrong --hardware) or --model-config is larger than "
-                    "the served model."
+                    f"taken under load, or the wrong --hardware) or {_priced_larger(doc)}."
                 )
                 break
     preempted = doc["target"].get("preemptions")
