@@ -81,8 +81,12 @@ def test_requests_sharing_a_tick_arrive_inside_it() -> None:
         assert old.timestamp_s <= new.timestamp_s < old.timestamp_s + resolution_s
         assert (new.prompt_len, new.hash_ids) == (old.prompt_len, old.hash_ids)
     assert spread_ties(trace) == spread  # seeded: every plan replays the same arrivals
-    reqs = parse_workload(f"trace:{SAMPLE}").with_rate(1.0).generate(40)
+    wl = parse_workload(f"trace:{SAMPLE}")
+    reqs = wl.with_rate(1.0).generate(40)
     assert len({r.arrival_s for r in reqs}) == 40
+    described = wl.describe()  # the plan states the trace's own resolution
+    assert described["trace_timestamps"] == len(ticks)
+    assert described["trace_resolution_s"] == pytest.approx(resolution_s)
     # A trace of one timestamp states no spread; a lone request keeps its time.
     burst = (TraceRecord(0.0, 10, 5), TraceRecord(0.0, 20, 5))
     assert spread_ties(burst) == burst

@@ -107,6 +107,10 @@ class WorkloadSpec:
     output: LengthDist = LengthDist("fixed", 128)
     pairs: tuple[tuple[int, int], ...] = ()  # joint (prompt, output) lengths from a trace
     trace: tuple[TraceRecord, ...] = ()
+    # As the trace recorded its arrivals: distinct timestamps and the smallest gap between
+    # them (`spread_ties` spreads the requests that share one inside that gap).
+    trace_timestamps: int = 0
+    trace_resolution_s: float = 0.0
 
     def with_rate(self, rate_per_s: float) -> WorkloadSpec:
         """The same workload at another mean arrival rate (a trace is time-scaled)."""
@@ -177,6 +181,8 @@ class WorkloadSpec:
             doc["cv"] = self.cv
         if self.trace:
             doc["trace_requests"] = len(self.trace)
+            doc["trace_timestamps"] = self.trace_timestamps
+            doc["trace_resolution_s"] = round(self.trace_resolution_s, 6)  # ms stamps
         elif self.pairs:
             doc["lengths"] = f"trace pairs ({len(self.pairs)})"
         else:
@@ -227,6 +233,13 @@ def load_trace(path: str | Path) -> tuple[TraceRecord, ...]:
     return tuple(sorted(recs, key=lambda r: r.timestamp_s))
 
 
+def time_resolution(trace: tuple[TraceRecord, ...]) -> tuple[int, float]:
+    """(distinct timestamps, smallest gap between two of them; 0 with fewer than two)."""
+    stamps = sorted({r.timestamp_s for r in trace})
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return len(stamps), min(gaps, default=0.0)
+
+
 def spread_ties(trace: tuple[TraceRecord, ...], seed: int = 0) -> tuple[TraceRecord, ...]:
     """Arrival times inside the trace's time resolution, where requests share a timestamp.
 
@@ -237,10 +250,9 @@ def spread_ties(trace: tuple[TraceRecord, ...], seed: int = 0) -> tuple[TraceRec
     Poisson process's arrivals fall, given their count), in the trace's order. A trace of
     one timestamp is left as it is: nothing states its spread.
     """
-    stamps = sorted({r.timestamp_s for r in trace})
-    if len(stamps) < 2:
+    stamps, resolution_s = time_resolution(trace)
+    if stamps < 2:
         return trace
-    resolution_s = min(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     rng, out, i = random.Random(seed), [], 0
     while i < len(trace):
         j = i
@@ -298,10 +310,13 @@ def parse_workload(spec: str) -> WorkloadSpec:
     if kind == "trace":
         if opts:
             raise WorkloadError("trace:PATH takes no options; the trace gives lengths and times")
-        trace = spread_ties(load_trace(rest))
+        recorded = load_trace(rest)
+        stamps, resolution_s = time_resolution(recorded)
+        trace = spread_ties(recorded)
         span = trace[-1].timestamp_s - trace[0].timestamp_s
         rate = (len(trace) - 1) / span if span > 0 else 1.0
-        return WorkloadSpec(f"trace:{Path(rest).name}", "trace", rate, trace=trace)
+        return WorkloadSpec(f"trace:{Path(rest).name}", "trace", rate, trace=trace,
+                            trace_timestamps=stamps, trace_resolution_s=resolution_s)
     if kind in PRESETS and not rest:
         wl = PRESETS[kind]
     elif kind in ("poisson", "gamma"):
