@@ -116,6 +116,10 @@ def test_efficiency_from_audit_report(tmp_path: Path) -> None:
     p.write_text(json.dumps({"prefill": {"flops_utilization": 0.41}, "model": {
         "kv_dtype_bytes": 1}, "decode": {"bandwidth_utilization": 0.73}}))
     assert Efficiency.from_audit_report(p).source.endswith("with 1-byte K/V elements)")
+    p.write_text(json.dumps({"prefill": {"flops_utilization": 0.41}, "model": {
+        "kv_dtype_bytes": 2, "weight_format": "fp8"}, "decode": {"bandwidth_utilization": 0.73}}))
+    assert Efficiency.from_audit_report(p).source.endswith(
+        "with 2-byte K/V elements and fp8 weights)")
     p.write_text("{}")
     with pytest.raises(CostModelError):
         Efficiency.from_audit_report(p)

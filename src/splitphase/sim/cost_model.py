@@ -95,9 +95,12 @@ class Efficiency:
         if not (flops_u > 0 and bw_u > 0):
             raise CostModelError(f"{p}: utilizations must be > 0 to calibrate from")
         # The audit's prefill utilization is measured on whole prompts: the large-M rate.
-        width = doc.get("model", {}).get("kv_dtype_bytes")
-        measured = f" (decode measured with {width}-byte K/V elements)" if width else ""
-        return cls(min(flops_u, 1.5), min(bw_u, 1.5), source=f"audit report {p}{measured}")
+        model = doc.get("model", {})
+        width, weights = model.get("kv_dtype_bytes"), model.get("weight_format")
+        measured = [f"{width}-byte K/V elements"] if width else []
+        measured += [f"{weights} weights"] if weights else []
+        said = f" (decode measured with {' and '.join(measured)})" if measured else ""
+        return cls(min(flops_u, 1.5), min(bw_u, 1.5), source=f"audit report {p}{said}")
 
     def to_dict(self) -> dict[str, object]:
         return {
