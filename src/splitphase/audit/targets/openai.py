@@ -150,7 +150,7 @@ class OpenAITarget:
     def _stated_quantization(self) -> str | None:
         """The weights' format the served model states: its config.json's quantization_config
         where it is a directory on this machine, else a word of its name (`...-FP8`)."""
-        names = [n for n in (self.served_root, self.served_model) if n]
+        names = [name for _, name in self._names()]
         for name in names:
             local = local_model_dir(name)
             doc = config_doc(local) if local is not None else None
@@ -226,12 +226,16 @@ class OpenAITarget:
             self._cfg = self._config_from_served_name()
         return self._cfg
 
+    def _names(self) -> list[tuple[str, str]]:
+        """The served model's names, the path it was loaded from (`root`) first."""
+        return [(what, name) for what, name in (("root", self.served_root),
+                                                ("id", self.served_model)) if name]
+
     def _config_from_served_name(self) -> ModelConfig:
         """The geometry the served model's name gives, as vLLM users give none: its config.json
         where the name (or vLLM's `root`) is a model directory on this machine, else the preset
         the name names; anything else needs --model-config."""
-        named = [(what, name) for what, name in (("root", self.served_root),
-                                                 ("id", self.served_model)) if name]
+        named = self._names()
         for what, name in named:
             local = local_model_dir(name)
             try:
@@ -249,9 +253,9 @@ class OpenAITarget:
                 return ModelConfig.from_name(preset)
         what = f"serves {self.served_model!r}" if self.served_model else "names no model"
         raise UserError(
-            f"openai: the server {what}, and no preset matches ({', '.join(PRESETS)}; a "
-            "quantized model matches none): pass --model-config NAME or PATH to the model's "
-            "config.json"
+            f"openai: the server {what}, and no preset matches ({', '.join(PRESETS)}; a name "
+            "in a weight format the audit cannot price, such as GGUF, matches none): pass "
+            "--model-config NAME or PATH to the model's config.json"
         )
 
     def codec(self) -> Codec:
