@@ -81,6 +81,8 @@ def _args() -> argparse.Namespace:
     if args.quick:
         args.preset, args.context, args.prefill, args.steps = "tiny", 32, [64, 128], 4
         args.concurrent, args.rounds = 8, 1
+    if args.concurrent < 2:
+        ap.error(f"--concurrent is the batching run's request count, >= 2; got {args.concurrent}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtypes is None:

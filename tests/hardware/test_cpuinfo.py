@@ -40,3 +40,14 @@ def test_avx512_needs_f_bw_and_vl(monkeypatch) -> None:
     assert cpuinfo.cpu_has_avx512()
     monkeypatch.setattr(cpuinfo, "_first_cpu", dict)
     assert cpuinfo.cpu_flags() == frozenset() and not cpuinfo.cpu_has_avx512()
+
+
+def test_bf16_instructions_are_any_of_avx512_bf16_amx_or_avx_ne_convert(monkeypatch) -> None:
+    for flags, has in [("avx2 avx512f avx512bw avx512vl", False),  # Xeon VM hiding them
+                       ("avx512f avx512bw avx512vl avx512_bf16", True),  # Zen 4/5
+                       ("avx512f avx512_bf16 amx_bf16 amx_tile", True),
+                       ("avx2 fma avx_ne_convert", True), ("avx2 fma", False)]:
+        monkeypatch.setattr(cpuinfo, "_first_cpu", lambda flags=flags: {"flags": flags})
+        assert cpuinfo.cpu_has_bf16_instructions() == has, flags
+    monkeypatch.setattr(cpuinfo, "_first_cpu", dict)  # flags unknown: not ruled out
+    assert cpuinfo.cpu_has_bf16_instructions()

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from splitphase.hardware import cpuinfo
 from splitphase.kernels import gemm_choice, packed_budget, packed_gemms, packed_linear
 from splitphase.model.config import ModelConfig
 from splitphase.model.layers import Linear
@@ -309,6 +310,15 @@ def test_a_gemm_that_raises_on_a_dtype_does_not_take_it(monkeypatch) -> None:
     monkeypatch.setitem(packed_gemms.GEMMS, "onednn", real)
     if "onednn" in packed_linear.backends():
         assert packed_gemms.takes.__wrapped__("onednn", torch.float32)
+
+
+@needs_onednn
+def test_onednn_does_not_take_bf16_on_a_cpu_without_bf16_instructions(monkeypatch) -> None:
+    # Its bf16 GEMM would run there, emulated, at a fifth of the fp32 one's rate.
+    monkeypatch.setattr(cpuinfo, "_first_cpu",
+                        lambda: {"flags": "avx2 fma avx512f avx512bw avx512vl avx512dq"})
+    assert not packed_gemms.takes.__wrapped__("onednn", torch.bfloat16)
+    assert packed_gemms.takes.__wrapped__("onednn", torch.float32)
 
 
 def test_where_no_gemm_takes_bf16_it_widens_to_the_fp32_one(

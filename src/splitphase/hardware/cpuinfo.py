@@ -58,3 +58,15 @@ def cpu_flags() -> frozenset[str]:
 def cpu_has_avx512() -> bool:
     """Whether the CPU has AVX-512 F, BW and VL (what the native kernels' AVX-512 code needs)."""
     return {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+
+
+# Instructions that multiply or convert bf16 in hardware: AVX512-BF16's dot product, AMX's tiles,
+# AVX-NE-CONVERT's conversions. Without any of them oneDNN emulates its bf16 GEMM.
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert"})
+
+
+def cpu_has_bf16_instructions() -> bool:
+    """Whether the CPU has bf16 instructions (`BF16_FLAGS`); True where its flags are unknown
+    (no /proc/cpuinfo), so that there a bf16 GEMM that runs is taken as it always was."""
+    flags = cpu_flags()
+    return not flags or bool(BF16_FLAGS & flags)

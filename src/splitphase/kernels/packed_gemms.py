@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from splitphase.hardware.cpuinfo import cpu_has_bf16_instructions
+
 # The row count every weight is packed for, whatever the call that packs it. MKL lays a packed
 # copy out for the rows it is told, and a copy serves other row counts at that layout's speed:
 # on the 2-core machine (base-125m's four shapes, 2 threads) packed for 32 rows, 512-row GEMMs
@@ -67,12 +69,18 @@ HAVE = tuple(name for name, gemm in GEMMS.items() if gemm.has())
 
 @functools.cache
 def takes(name: str, dtype: torch.dtype) -> bool:
-    """Whether packed GEMM `name` multiplies `dtype` on this CPU: listed for it, and a small
-    weight packs and multiplies once. oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT and raises on an AVX2-only CPU (the AMD Zen 3 host), where bf16 linears
-    then keep torch's."""
+    """Whether packed GEMM `name` multiplies `dtype` on this CPU at its speed: listed for it,
+    a small weight packs and multiplies once, and for bf16 the CPU has bf16 instructions.
+    oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises on an
+    AVX2-only CPU (the AMD Zen 3 host). With AVX-512 but no bf16 instructions (an Intel Xeon
+    VM, model 207, that hides AVX512-BF16 and AMX) it runs, emulated, at a fifth of the fp32
+    GEMM's rate (base-125m's shapes at 512 rows, 2 threads: 62 against 338 GFLOP/s). In both
+    cases bf16 linears widen to the fp32 GEMM (`packed_linear.widened_backend`): there a bf16
+    prefill of 512 tokens took 0.22x the time it took on oneDNN's bf16."""
     gemm = GEMMS[name]
     if name not in HAVE or dtype not in gemm.dtypes:
+        return False
+    if dtype == torch.bfloat16 and not cpu_has_bf16_instructions():
         return False
     w = torch.ones(16, 16, dtype=dtype)
     try:
