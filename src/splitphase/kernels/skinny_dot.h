@@ -280,6 +280,20 @@ struct Bf16Step {
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
 #define SPLITPHASE_BF16_TILE 1
+#elif SPLITPHASE_AVX512
+// bf16 on AVX-512 without VDPBF16PS (an Intel Xeon VM that hides AVX512-BF16): each vector
+// widened to fp32 as it loads (exact) and multiplied as fp32, 16 lanes a step: dot_rows4's
+// order. Without a tile, several bf16 rows took rows_each, one weight stream at a time.
+struct Bf16Step {
+  using T = c10::BFloat16;
+  using V = vf;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kPrefetch = 1024;
+  static V load(const c10::BFloat16* p) { return load16(p); }
+  static V tail(const c10::BFloat16* p, int64_t n) { return load_tail(p, n); }
+  static vf madd(vf acc, V w, V x) { return fmadd(w, x, acc); }
+};
+#define SPLITPHASE_BF16_TILE 1
 #endif
 #define SPLITPHASE_FP32_TILE 1
 #else
