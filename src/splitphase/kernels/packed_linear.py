@@ -36,7 +36,8 @@ without AVX-512, else oneDNN's) unless the other is clearly faster (`PROBE_MARGI
 `onednn` forces one. oneDNN's result equals `F.linear` within fp32 rounding, not bit for bit (a
 different microkernel). bf16 linears pack with oneDNN's whatever fp32 took (MKL's has
 no bf16): on the AMD host, 2 threads, 512-2048 rows, 0-7% faster than torch's linear at every
-shape, the results bit-identical. Where oneDNN has no bf16 (no AVX-512) they widen to fp32's.
+shape, the results bit-identical. Where oneDNN has no bf16 (no AVX-512) or only an emulated
+one (no bf16 instructions: `packed_gemms.takes`) they widen to fp32's.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def backend_for(dtype: torch.dtype) -> str | None:
 def widened_backend(dtype: torch.dtype) -> str | None:
     """The fp32 packed GEMM that multiplies `dtype` widened to fp32, where no packed GEMM takes
     it as it is (bf16 on a CPU without AVX-512: torch's bf16 linear then has only its own GEMM,
-    at a ninth of the fp32 rate on the AVX2-only Zen 3 host); None elsewhere. The products of
+    at a ninth of the fp32 rate on the AVX2-only Zen 3 host; or without bf16 instructions, where
+    oneDNN's runs emulated at a fifth); None elsewhere. The products of
     bf16 values are exact in fp32 and the sums fp32, as in torch's bf16 linear; the output
     rounds to bf16 once."""
     if dtype != torch.bfloat16 or backend_for(dtype) is not None:
