@@ -230,7 +230,8 @@ def test_openai_audit_prices_quantized_weights(tmp_path: Path) -> None:
     with FakeOpenAIServer(FakeTiming(model_id=served)) as url:
         runs = {"stated": ["--hardware", "h100"], "a100": ["--hardware", "a100"],
                 "none": ["--hardware", "h100", "--quantization", "none"],
-                "file": ["--hardware", "h100", "--model-config", str(config)]}
+                "file": ["--hardware", "h100", "--model-config", str(config)],
+                "w8a8": ["--hardware", "a100", "--quantization", "w8a8_int8"]}
         for name, extra in runs.items():
             assert main(["audit", "--target", f"openai:{url}", "--quick", "--no-progress",
                          "--out", str(tmp_path / name), *extra]) == 0
@@ -255,6 +256,10 @@ def test_openai_audit_prices_quantized_weights(tmp_path: Path) -> None:
     assert all("--quantization" not in w for w in none["warnings"])
     assert docs["file"]["target"]["quantization"] == "int4"  # --model-config's file wins
     assert docs["file"]["target"]["quantization_source"] == "model-config"
+    # Int8 weights and activations: the A100 has int8 tensor cores, at twice its bf16 peak.
+    w8a8 = docs["w8a8"]
+    assert (w8a8["target"]["quantization"], w8a8["hardware"]["dtype"]) == ("w8a8_int8", "int8")
+    assert w8a8["model"]["weight_bytes_per_param"] == 1
 
 
 def test_quantization_is_for_openai_targets(capsys: pytest.CaptureFixture[str],

@@ -54,6 +54,15 @@ def test_fp8_is_twice_bf16_where_supported() -> None:
     assert HARDWARE["a100-80gb"].peak_fp8_flops_per_s is None
 
 
+def test_int8_is_the_fp8_rate_on_hopper_and_ada_and_ampere_has_int8_only() -> None:
+    for name in ("h200", "h100-sxm", "h100-pcie", "l4", "l40s", "mi300x", "b200"):
+        hw = HARDWARE[name]
+        assert hw.peak_flops_per_s("int8") == hw.peak_fp8_flops_per_s, name
+    a100 = HARDWARE["a100-80gb"]
+    assert a100.peak_flops_per_s("int8") == pytest.approx(2 * a100.peak_bf16_flops_per_s)
+    assert a100.has_peak("int8") and not a100.has_peak("float8") and not a100.has_peak("int4")
+
+
 def test_peak_by_dtype() -> None:
     hw = get_hardware("h100-sxm")
     assert hw.peak_flops_per_s() == hw.peak_bf16_flops_per_s

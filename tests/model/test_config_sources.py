@@ -27,7 +27,8 @@ from splitphase.model.config_sources import (
     ("neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8", "llama-3.1-8b"),  # weights priced apart
     ("TheBloke/Mixtral-8x7B-v0.1-GPTQ", "mixtral-8x7b"),
     ("Llama-3.1-8B-Instruct-Q4_K_M.gguf", None),  # a format the audit does not price
-    ("RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8", None),
+    ("RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8", "llama-3.1-8b"),  # int8 W8A8
+    ("RedHatAI/Llama-3.1-8B-Instruct-NVFP4", None),
     ("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", None),
     ("llama-3.1-80b", None),
     ("gpt2", None),

@@ -82,6 +82,20 @@ def test_plan_with_fp8_weights(tmp_path: Path) -> None:
     assert "weights fp8 (matmuls in float8)" in (tmp_path / "plan" / "plan.html").read_text()
 
 
+def test_int8_w8a8_replicas_multiply_at_the_int8_peak(tmp_path: Path) -> None:
+    from splitphase.commands.plan import PlanOptions, plan_inputs
+    from splitphase.sim.cost_model import CostModel
+
+    opts = PlanOptions("llama-3.1-8b", "a100", "poisson:1", 1.0, 0.5, 0.05, str(tmp_path),
+                       quantization="w8a8_int8")
+    inp = plan_inputs(opts)
+    assert inp.weight_kwargs() == {"dtype": "int8", "weight_bytes_per_param": 1.0}
+    int8 = CostModel(inp.model, inp.hardware, **inp.weight_kwargs())
+    bf16 = CostModel(inp.model, inp.hardware)
+    long_prefill = [(2048, 0)] * 4  # compute-bound: twice the peak, about half the time
+    assert int8.step_time(long_prefill, []).total_s < 0.6 * bf16.step_time(long_prefill, []).total_s
+
+
 def test_the_plan_page_fits_a_laptop_screen(
     tmp_path: Path, render_page: Callable[[Path], dict[str, Any]]
 ) -> None:

@@ -10,6 +10,7 @@ Plain Python (no torch).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from splitphase.errors import UserError
 class WeightFormat:
     """Bytes per weight (scales included) and the dtype whose peak FLOP/s the matmuls get."""
 
-    name: str  # a model dtype (bfloat16, ...) or a quantization (fp8, int8, int4)
+    name: str  # a model dtype (bfloat16, ...) or a quantization (fp8, w8a8_int8, int8, int4)
     bytes_per_param: float
     compute_dtype: str
 
@@ -29,23 +30,28 @@ class WeightFormat:
         return self.name in QUANTIZATIONS
 
 
-# fp8: vLLM's `--quantization fp8` (W8A8: FP8 weights and activations, FP8 matmuls). int8 and
-# int4 are weight-only (W8A16, W4A16: AWQ, GPTQ, Marlin kernels): the matmuls run in the
-# activations' dtype. int4 counts one 16-bit scale per group of 128 weights (4.125 bits).
+# fp8: vLLM's `--quantization fp8` (W8A8: FP8 weights and activations, FP8 matmuls). w8a8_int8
+# (SGLang's name; compressed-tensors checkpoints with int8 weights and activations): int8
+# matmuls. int8 and int4 are weight-only (W8A16, W4A16: AWQ, GPTQ, Marlin kernels): the matmuls
+# run in the activations' dtype. int4 counts one 16-bit scale per group of 128 weights (4.125
+# bits).
 QUANTIZATIONS: dict[str, tuple[float, str | None]] = {
     "fp8": (1.0, "float8"),
+    "w8a8_int8": (1.0, "int8"),
     "int8": (1.0, None),
     "int4": (4.125 / 8, None),
 }
 ALIASES = {"awq": "int4", "gptq": "int4", "w4a16": "int4", "w8a16": "int8", "fbgemm_fp8": "fp8",
-           "w8a8_fp8": "fp8"}  # SGLang's name for vLLM's fp8
+           "w8a8_fp8": "fp8",  # SGLang's name for vLLM's fp8
+           "w8a8": "w8a8_int8"}  # as the served names say it (`...-quantized.w8a8`)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def weight_format(quantization: str | None, model_dtype: str, fp8_matmuls: bool = True
-                  ) -> WeightFormat:
-    """The format of `quantization` (None: the model's dtype, unquantized). Without FP8
-    matmuls in the hardware (an A100), FP8 weights run weight-only, as vLLM runs them there."""
+def weight_format(quantization: str | None, model_dtype: str,
+                  has_peak: Callable[[str], bool] = lambda dtype: True) -> WeightFormat:
+    """The format of `quantization` (None: the model's dtype, unquantized). Where the hardware
+    has no peak for its matmuls' dtype (`has_peak`: FP8 on an A100, int8 on a CPU), the weights
+    run weight-only, in the model's dtype, as vLLM runs FP8 on an A100."""
     if quantization is None:
         return WeightFormat(model_dtype, _DTYPE_BYTES.get(model_dtype, 2), model_dtype)
     name = ALIASES.get(quantization.lower(), quantization.lower())
@@ -53,7 +59,7 @@ def weight_format(quantization: str | None, model_dtype: str, fp8_matmuls: bool 
         choices = ", ".join([*QUANTIZATIONS, *ALIASES])
         raise UserError(f"quantization must be one of {choices}, got {quantization!r}")
     bytes_per_param, compute = QUANTIZATIONS[name]
-    if compute == "float8" and not fp8_matmuls:
+    if compute is not None and not has_peak(compute):
         compute = None
     return WeightFormat(name, bytes_per_param, compute or model_dtype)
 
@@ -84,14 +90,20 @@ def _compressed_tensors(q: dict[str, Any]) -> str | None:
     bits, kind = weights.get("num_bits"), weights.get("type")
     if bits == 8 and kind == "float":
         return "fp8"
+    if kind == "int" and bits == 8 and _int8_activations(group):
+        return "w8a8_int8"
     if kind == "int" and bits in (4, 8):
-        # W8A8 (int8 activations too) is priced by its weight bytes; its int8 matmuls' peak,
-        # which the hardware table lacks, is then taken as the activations' dtype's.
         return "int4" if bits == 4 else "int8"
     return None
 
 
-_NAME_WORDS = re.compile(r"(?:^|[-_./])(w8a8_fp8|fp8|int8|int4|awq|gptq|w4a16|w8a16)(?=$|[-_./])")
+def _int8_activations(group: dict[str, Any]) -> bool:
+    acts = group.get("input_activations")
+    return isinstance(acts, dict) and acts.get("type") == "int" and acts.get("num_bits") == 8
+
+
+_NAME_WORDS = re.compile(
+    r"(?:^|[-_./])(w8a8_fp8|w8a8_int8|w8a8|fp8|int8|int4|awq|gptq|w4a16|w8a16)(?=$|[-_./])")
 
 
 def quantization_in_name(name: str) -> str | None:

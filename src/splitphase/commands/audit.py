@@ -167,7 +167,7 @@ def _weights(
     else:
         stated = described.get("quantization")
         name, source = stated, ("target" if stated else "model")
-    fmt = weight_format(name, cfg.dtype, fp8_matmuls=hw.peak_fp8_flops_per_s is not None)
+    fmt = weight_format(name, cfg.dtype, has_peak=hw.has_peak)
     return {**described, "quantization": fmt.name if fmt.quantized else None,
             "quantization_source": source}, fmt
 

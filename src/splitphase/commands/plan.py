@@ -78,8 +78,7 @@ def plan_inputs(opts: PlanOptions) -> Any:
     # "auto": as the weights, which the planner prices in bf16 (CostModel's 2 bytes).
     kv_b = None if opts.kv_cache_dtype == "auto" else kv_cache_dtype_bytes(opts.kv_cache_dtype, 2)
     q = None if opts.quantization == "none" else opts.quantization
-    fp8 = hw.peak_fp8_flops_per_s is not None
-    weights = None if q is None else weight_format(q, "bfloat16", fp8_matmuls=fp8)
+    weights = None if q is None else weight_format(q, "bfloat16", has_peak=hw.has_peak)
     return PlanInputs(model, hw, workload, opts.rate, SLO(opts.slo_ttft_s, opts.slo_tpot_s,
                       opts.attainment), opts.max_gpus, opts.num_requests, opts.seed, link,
                       opts.router, eff, space, kv_dtype_bytes=kv_b, weights=weights)

@@ -33,6 +33,7 @@ _DTYPE_FIELD = {
     "fp16": "peak_bf16_flops_per_s",
     "float8": "peak_fp8_flops_per_s",
     "fp8": "peak_fp8_flops_per_s",
+    "int8": "peak_int8_ops_per_s",
     "float32": "peak_fp32_flops_per_s",
     "fp32": "peak_fp32_flops_per_s",
 }
@@ -51,13 +52,15 @@ class HardwareSpec:
     peak_fp8_flops_per_s: float | None = None
     peak_fp32_flops_per_s: float | None = None
     interconnect_bytes_per_s: float | None = None
+    peak_int8_ops_per_s: float | None = None  # integer multiply-adds count 2 ops, as FLOPs do
 
     def __post_init__(self) -> None:
         required = ("peak_bf16_flops_per_s", "mem_bandwidth_bytes_per_s", "mem_capacity_bytes")
         for field_name in required:
             if not getattr(self, field_name) > 0:
                 raise HardwareError(f"{self.name}: {field_name} must be > 0")
-        optional = ("peak_fp8_flops_per_s", "peak_fp32_flops_per_s", "interconnect_bytes_per_s")
+        optional = ("peak_fp8_flops_per_s", "peak_fp32_flops_per_s", "interconnect_bytes_per_s",
+                    "peak_int8_ops_per_s")
         for field_name in optional:
             value = getattr(self, field_name)
             if value is not None and not value > 0:
@@ -66,7 +69,7 @@ class HardwareSpec:
             raise HardwareError(f"{self.name}: price_usd_per_hour must be >= 0")
 
     def peak_flops_per_s(self, dtype: str = "bfloat16") -> float:
-        """Dense peak FLOP/s for a dtype (bfloat16, float16, float8, float32)."""
+        """Dense peak FLOP/s for a dtype (bfloat16, float16, float8, float32; int8: ops/s)."""
         field_name = _DTYPE_FIELD.get(dtype.lower())
         if field_name is None:
             raise HardwareError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPE_FIELD)}")
@@ -74,6 +77,11 @@ class HardwareSpec:
         if value is None:
             raise HardwareError(f"{self.name} has no {dtype} peak (unsupported or not measured)")
         return float(value)
+
+    def has_peak(self, dtype: str) -> bool:
+        """Whether the table (or the measurement) gives a peak for `dtype`."""
+        field_name = _DTYPE_FIELD.get(dtype.lower())
+        return field_name is not None and getattr(self, field_name) is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +98,7 @@ _SPECS = (
         peak_bf16_flops_per_s=989 * TERA,
         peak_fp8_flops_per_s=1979 * TERA,
         peak_fp32_flops_per_s=67 * TERA,
+        peak_int8_ops_per_s=1979 * TERA,
         mem_bandwidth_bytes_per_s=4.8e12,
         mem_capacity_bytes=141 * GIGA,
         interconnect_bytes_per_s=900 * GIGA,
@@ -101,6 +110,7 @@ _SPECS = (
         peak_bf16_flops_per_s=989 * TERA,
         peak_fp8_flops_per_s=1979 * TERA,
         peak_fp32_flops_per_s=67 * TERA,
+        peak_int8_ops_per_s=1979 * TERA,
         mem_bandwidth_bytes_per_s=3.35e12,
         mem_capacity_bytes=80 * GIGA,
         interconnect_bytes_per_s=900 * GIGA,
@@ -112,6 +122,7 @@ _SPECS = (
         peak_bf16_flops_per_s=756 * TERA,
         peak_fp8_flops_per_s=1513 * TERA,
         peak_fp32_flops_per_s=51 * TERA,
+        peak_int8_ops_per_s=1513 * TERA,
         mem_bandwidth_bytes_per_s=2.0e12,
         mem_capacity_bytes=80 * GIGA,
         interconnect_bytes_per_s=600 * GIGA,  # NVLink bridge, pairs only
@@ -123,39 +134,46 @@ _SPECS = (
         peak_bf16_flops_per_s=312 * TERA,
         peak_fp8_flops_per_s=None,  # Ampere has no FP8 tensor cores
         peak_fp32_flops_per_s=19.5 * TERA,
+        peak_int8_ops_per_s=624 * TERA,
         mem_bandwidth_bytes_per_s=2.039e12,
         mem_capacity_bytes=80 * GIGA,
         interconnect_bytes_per_s=600 * GIGA,
         price_usd_per_hour=1.50,
-        source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column",
+        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column"
+                " (int8 624 TOPS; 1248 with sparsity)"),
     ),
     HardwareSpec(
         name="l4",
         peak_bf16_flops_per_s=121 * TERA,
         peak_fp8_flops_per_s=242.5 * TERA,
         peak_fp32_flops_per_s=30.3 * TERA,
+        peak_int8_ops_per_s=242.5 * TERA,
         mem_bandwidth_bytes_per_s=300 * GIGA,
         mem_capacity_bytes=24 * GIGA,
         interconnect_bytes_per_s=None,  # PCIe only, no NVLink
         price_usd_per_hour=0.70,
-        source="NVIDIA L4 Tensor Core GPU datasheet (242 bf16 / 485 fp8 with sparsity, halved)",
+        source=("NVIDIA L4 Tensor Core GPU datasheet (242 bf16 / 485 fp8 and int8 with sparsity,"
+                " halved)"),
     ),
     HardwareSpec(
         name="l40s",
         peak_bf16_flops_per_s=362 * TERA,
         peak_fp8_flops_per_s=733 * TERA,
         peak_fp32_flops_per_s=91.6 * TERA,
+        peak_int8_ops_per_s=733 * TERA,
         mem_bandwidth_bytes_per_s=864 * GIGA,
         mem_capacity_bytes=48 * GIGA,
         interconnect_bytes_per_s=None,  # PCIe only, no NVLink
         price_usd_per_hour=1.00,
-        source="NVIDIA L40S datasheet (362.05 bf16 / 733 fp8 dense; 733 / 1466 with sparsity)",
+        source=("NVIDIA L40S datasheet (362.05 bf16 / 733 fp8 and int8 dense; 733 / 1466 with"
+                " sparsity)"),
     ),
     HardwareSpec(
         name="mi300x",
         peak_bf16_flops_per_s=1307.4 * TERA,
         peak_fp8_flops_per_s=2614.9 * TERA,
         peak_fp32_flops_per_s=163.4 * TERA,
+        peak_int8_ops_per_s=2614.9 * TERA,
         mem_bandwidth_bytes_per_s=5.3e12,
         mem_capacity_bytes=192 * GIGA,
         interconnect_bytes_per_s=896 * GIGA,  # 7 Infinity Fabric links x 128 GB/s
@@ -167,13 +185,14 @@ _SPECS = (
         peak_bf16_flops_per_s=2250 * TERA,
         peak_fp8_flops_per_s=4500 * TERA,
         peak_fp32_flops_per_s=75 * TERA,
+        peak_int8_ops_per_s=4500 * TERA,
         mem_bandwidth_bytes_per_s=8.0e12,
         mem_capacity_bytes=180 * GIGA,
         interconnect_bytes_per_s=1800 * GIGA,
         price_usd_per_hour=5.00,
         source=(
-            "NVIDIA HGX B200 datasheet, per GPU at 1,000 W (4.5 PF bf16 / 9 PF fp8 with sparsity,"
-            " halved); some revisions list 7.7 TB/s and 192 GB"
+            "NVIDIA HGX B200 datasheet, per GPU at 1,000 W (4.5 PF bf16 / 9 PF fp8 / 9 POPS int8"
+            " with sparsity, halved); some revisions list 7.7 TB/s and 192 GB"
         ),
     ),
 )

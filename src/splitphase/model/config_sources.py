@@ -16,8 +16,8 @@ from splitphase.model.config import OWN_PRESETS, PRESETS, ConfigError, ModelConf
 CONFIG_FILE = "config.json"
 
 # Words in a served model's name for weight formats the audit does not price (its own table,
-# audit/weights.py, prices FP8, INT8/INT4 weight-only, AWQ and GPTQ).
-_UNPRICED = re.compile(r"(^|[-_./])(fp4|nvfp4|mxfp4|w8a8|w4a8|gguf|bnb|4bit|8bit|"
+# audit/weights.py, prices FP8, INT8 W8A8, INT8/INT4 weight-only, AWQ and GPTQ).
+_UNPRICED = re.compile(r"(^|[-_./])(fp4|nvfp4|mxfp4|w4a8|gguf|bnb|4bit|8bit|"
                        r"q[2-8]_k(_[sml])?|q[48]_0|exl2)($|[-_./])")
 
 
@@ -66,8 +66,9 @@ def preset_for_model_id(model_id: str) -> str | None:
     """The preset a served model's id or path names (`meta-llama/Llama-3.1-8B-Instruct` ->
     `llama-3.1-8b`), else None: the longest real model's preset found in its last path
     component between separators, or one of ours by its exact name (`Phi-3-small` is not
-    `small`). A name in a weight format the audit cannot price (GGUF, bitsandbytes, W8A8, ...)
-    matches none; FP8, AWQ or GPTQ keep the preset's geometry, their weights priced apart."""
+    `small`). A name in a weight format the audit cannot price (GGUF, bitsandbytes, FP4, ...)
+    matches none; FP8, W8A8, AWQ or GPTQ keep the preset's geometry, their weights priced
+    apart."""
     name = model_id.strip().rstrip("/").rsplit("/", 1)[-1].lower()
     if name in OWN_PRESETS:
         return name
