@@ -93,10 +93,12 @@ def main() -> None:
     weight_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
     weights = weight_bytes / torch.empty(0, dtype=dtype).element_size()
     gemm = packed_linear.backend_for(dtype)
-    packs = None if gemm is None else [(PackedWeight(), PackedWeight(), PackedWeight())
-                                       for _ in layers]
+    wide = packed_linear.widened_backend(dtype)  # bf16 widened to fp32 where none takes bf16
+    packs = None if (gemm or wide) is None else [(PackedWeight(), PackedWeight(), PackedWeight())
+                                                 for _ in layers]
+    name = gemm or (f"{wide}, widened to fp32" if wide else "none")
     print(f"{args.preset} MLP linears, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"packed GEMM: {gemm or 'none'} (from {packed_linear.min_rows(dtype)} rows)")
+          f"packed GEMM: {name} (from {packed_linear.min_rows(dtype)} rows)")
     print(f"{'rows':>5} {'kernel ms':>10} {'GB/s':>6} {'GFLOP/s':>8} {'torch ms':>9} "
           f"{'torch/kernel':>13} {'packed ms':>10} {'packed/kernel':>14}")
     for rows in args.rows:

@@ -164,9 +164,12 @@ def test_bf16_keeps_the_kernel_to_its_limit_where_no_gemm_packs_bf16(
     bf16 = torch.bfloat16
     monkeypatch.setattr(skinny, "_amx_kernel", False)
     monkeypatch.setattr(packed_linear, "backend_for", lambda dtype: None)
-    assert skinny.own_rows(bf16) == skinny.max_rows(bf16) == skinny.KERNEL_ROWS
     fp32_rows = skinny.KERNEL_ROWS if skinny.outer_tile() else skinny.MAX_ROWS[torch.float32]
+    monkeypatch.setattr(skinny, "_outer_tile", True)  # an AVX2 build (the Zen 3 host)
+    assert skinny.own_rows(bf16) == skinny.max_rows(bf16) == skinny.KERNEL_ROWS
+    monkeypatch.setattr(skinny, "_outer_tile", fp32_rows == skinny.KERNEL_ROWS)
     assert skinny.own_rows(torch.float32) == fp32_rows
+    monkeypatch.setattr(skinny, "_outer_tile", True)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(skinny.KERNEL_ROWS, 96, generator=g).bfloat16()
     w = (torch.randn(40, 96, generator=g) * 0.1).bfloat16()
@@ -177,6 +180,23 @@ def test_bf16_keeps_the_kernel_to_its_limit_where_no_gemm_packs_bf16(
         assert not skinny._use_kernel(torch.randn(skinny.KERNEL_ROWS + 1, 96).bfloat16(), (w,))
     monkeypatch.setattr(packed_linear, "backend_for", lambda dtype: "onednn")
     assert skinny.own_rows(bf16) == skinny.MAX_ROWS[bf16]
+
+
+@needs_kernel
+def test_without_the_outer_tile_bf16_hands_over_to_the_widened_gemm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # AVX-512 without bf16 instructions: past 31 rows the fp32 packed GEMM on bf16 widened.
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(skinny, "_amx_kernel", False)
+    monkeypatch.setattr(skinny, "_outer_tile", False)
+    monkeypatch.setattr(packed_linear, "backend_for", lambda dtype: None)
+    if packed_linear.widened_backend(bf16) is None:
+        pytest.skip("this torch has no fp32 packed GEMM to widen to")
+    assert skinny.own_rows(bf16) == skinny.max_rows(bf16) == packed_linear.MIN_ROWS - 1
+    assert packed_linear.min_rows(bf16) == packed_linear.MIN_ROWS  # no rows left between
+    monkeypatch.setattr(packed_linear, "widened_backend", lambda dtype: None)
+    assert skinny.own_rows(bf16) == skinny.KERNEL_ROWS  # torch's bf16 linear: the kernel
 
 
 @pytest.mark.skipif(not packed_gemms.takes("onednn", torch.bfloat16),

@@ -38,9 +38,13 @@ AMX_MIN_ROWS = 7
 AMX_MAX_ROWS = 32
 
 # The most rows one call takes (skinny_linear.cpp's kMaxRows). bf16 goes to it where no packed
-# GEMM multiplies bf16 (oneDNN's needs AVX-512 or AVX-NE-CONVERT): torch's bf16 linear then has
-# only its own slow GEMM, and on the AVX2-only Zen 3 host (`bench/skinny_rows.py --dtype
-# bfloat16`, base-125m's MLP linears) the kernel took 0.31-0.54x its time from 1 to 64 rows.
+# GEMM multiplies bf16 (oneDNN's needs AVX-512 or AVX-NE-CONVERT) and the build has the AVX2
+# outer-product tile: on the AVX2-only Zen 3 host (`bench/skinny_rows.py --dtype bfloat16`,
+# base-125m's MLP linears) the kernel took 0.31-0.54x torch's bf16 linear's time from 1 to 64
+# rows. With AVX-512 but no bf16 instructions (no outer tile; an Intel Xeon VM) it keeps bf16
+# below packed_linear.MIN_ROWS, past which the fp32 packed GEMM on bf16 widened is faster (the
+# same bench with that GEMM timed from 8 rows: its time over the kernel's 1.92 at 8 rows, 1.24
+# at 16, 0.98 at 24, 0.83 at 32, 0.63 at 64).
 KERNEL_ROWS = 64
 
 # On an AVX2 build (no AVX-512), calls of OUTER_MIN_ROWS rows or more take the outer-product
@@ -113,7 +117,9 @@ def own_rows(dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16 and amx_kernel():
         return AMX_MAX_ROWS
     if dtype == torch.bfloat16 and packed_linear.backend_for(dtype) is None:
-        return KERNEL_ROWS
+        if outer_tile() or packed_linear.widened_backend(dtype) is None:
+            return KERNEL_ROWS
+        return packed_linear.MIN_ROWS - 1  # then the fp32 packed GEMM, bf16 widened (above)
     if dtype == torch.float32 and outer_tile():
         # Its outer-product tile outruns torch's and MKL's packed GEMM to the kernel's last
         # row (Zen 3, `bench/skinny_rows.py`: at 48 rows torch/kernel 1.36, packed/kernel 1.45;
