@@ -278,6 +278,12 @@ def test_prometheus_max_num_seqs_from_ours_and_sglang() -> None:
     assert prometheus.max_num_seqs(METRICS) is None  # vLLM states none
 
 
+def test_prometheus_model_dtype_from_ours_only() -> None:
+    ours = 'splitphase:model_config_info{dtype="bfloat16",model_name="m"} 1.0\n'
+    assert prometheus.model_dtype(METRICS + ours) == "bfloat16"
+    assert prometheus.model_dtype(METRICS) is None
+
+
 def test_openai_target_states_the_servers_cache_dtype_and_pool() -> None:
     for stated, blocks in (("fp8", 100), (None, None)):
         with FakeOpenAIServer(FakeTiming(cache_dtype=stated, num_gpu_blocks=blocks)) as url:

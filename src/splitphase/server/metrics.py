@@ -186,6 +186,10 @@ class ServerMetrics:
             info |= {"block_size": str(kv_pool[0]), "num_gpu_blocks": str(kv_pool[1])}
         Gauge(p + "cache_config_info", "K/V cache configuration (value 1).",
               [*lab, *info], registry=self.registry).labels(model_name, *info.values()).set(1)
+        # Ours alone: the dtype the engine computes in, which `serve --dtype` may set apart
+        # from the checkpoint's config.json (an auditor prices the weights' bytes at it).
+        Gauge(p + "model_config_info", "Model configuration (value 1).", [*lab, "dtype"],
+              registry=self.registry).labels(model_name, dtype).set(1)
         if scheduler:  # vLLM states none: the batch limits an auditor's projections stop at
             Gauge(p + "scheduler_config_info", "Scheduler configuration (value 1).",
                   [*lab, *scheduler], registry=self.registry).labels(

@@ -83,6 +83,7 @@ class OpenAITarget:
         self.kv_pool_tokens = prometheus.kv_pool_tokens(text) if text is not None else None
         self.max_num_seqs = prometheus.max_num_seqs(text) if text is not None else None
         self.policy = prometheus.scheduler_policy(text) if text is not None else None
+        self.model_dtype = prometheus.model_dtype(text) if text is not None else None
         self._server_quantization: str | None = None  # as SGLang's server info names it
         if self.kv_cache_dtype is None:  # SGLang states its cache in its server info instead
             self._read_server_info()
@@ -223,7 +224,15 @@ class OpenAITarget:
 
     def model_config(self) -> ModelConfig:
         if self._cfg is None:
-            self._cfg = self._config_from_served_name()
+            cfg = self._config_from_served_name()
+            if self.model_dtype is not None and self.model_dtype != cfg.dtype:
+                try:  # the server computes in another dtype than its config.json states
+                    cfg = cfg.with_(dtype=self.model_dtype)
+                    self.geometry_source = (f"{self.geometry_source}, computing in "
+                                            f"{self.model_dtype} (its /metrics)")
+                except ConfigError:
+                    pass  # a dtype the model config does not know: the file's stands
+            self._cfg = cfg
         return self._cfg
 
     def _names(self) -> list[tuple[str, str]]:

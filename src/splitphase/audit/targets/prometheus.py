@@ -56,6 +56,7 @@ CACHE_CONFIG_INFO = ("splitphase:cache_config_info", "vllm:cache_config_info")
 POOL_TOKENS = "sglang:max_total_num_tokens"
 # How many sequences run at once: our info metric's label, SGLang's gauge (vLLM states none).
 SCHEDULER_CONFIG_INFO = "splitphase:scheduler_config_info"
+MODEL_CONFIG_INFO = "splitphase:model_config_info"  # the dtype our engine computes in
 MAX_RUNNING = "sglang:max_running_requests"
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
@@ -100,6 +101,11 @@ def kv_pool_tokens(text: str) -> int | None:
 def scheduler_policy(text: str) -> str | None:
     """The batching policy our server states (mixed, chunked, disaggregated), or None."""
     return _info_labels(text, (SCHEDULER_CONFIG_INFO,)).get("policy")
+
+
+def model_dtype(text: str) -> str | None:
+    """The dtype our server's engine computes in (`serve --dtype`), or None."""
+    return _info_labels(text, (MODEL_CONFIG_INFO,)).get("dtype")
 
 
 def max_num_seqs(text: str) -> int | None:
