@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
-from splitphase.engine.async_engine import AsyncEngine
+import pytest
+
+from splitphase.engine.async_engine import AsyncEngine, EngineDeadError
 from splitphase.server.supervisor import WorkerSupervisor
 
 
@@ -101,3 +104,31 @@ def test_a_failed_restart_is_reported_and_retried() -> None:
         assert sup.restarts == 1 and sup.last_error is None
 
     _run(pair, check)
+
+
+class _CheckFailsEngine:
+    """An engine whose every call fails; `stops` says whether its loop ends with the call, as
+    when the server shuts down while a check is in flight."""
+
+    def __init__(self, stops: bool) -> None:
+        self.is_running, self.stops = True, stops
+
+    async def call(self, fn: Callable[[], object]) -> object:
+        self.is_running = not self.stops
+        raise EngineDeadError("the engine loop is not running")
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_a_check_cut_short_by_shutdown_is_not_reported_as_a_failure(
+    stops: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        sup = WorkerSupervisor(_CheckFailsEngine(stops), FakePair(),  # type: ignore[arg-type]
+                               interval_s=0.01)
+        sup.start()
+        await asyncio.sleep(0.1)
+        sup.stop()
+
+    with caplog.at_level(logging.WARNING, logger="splitphase.server"):
+        asyncio.run(main())
+    assert ("worker check failed" in caplog.text) is not stops

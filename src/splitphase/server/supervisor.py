@@ -94,7 +94,8 @@ class WorkerSupervisor:
             except asyncio.TimeoutError:
                 continue  # a long step; /health's stall check covers a stuck loop
             except Exception as exc:
-                log.warning("worker check failed: %r", exc)
+                if self.engine.is_running:  # else the server is shutting down: nothing failed
+                    log.warning("worker check failed: %r", exc)
                 continue
             if not self.dead or await self.restart():
                 delay_s = self.interval_s
