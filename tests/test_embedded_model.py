@@ -38,6 +38,7 @@ def test_generate_from_embedded_model_is_text(capsys):
     out = doc["outputs"][0]
     assert out["finish_reason"] in ("length", "stop") and out["text"].strip()
     assert doc["summary"]["phases"]["prefill"]["prefill_tokens"] > 0
+    assert doc["summary"]["dtype"] == "float32"  # the embedded checkpoint's
     # The engine flags serve has: the same greedy text from blocks of 8 without prefix caching.
     args = ["generate", "--prompt", "In the beginning", "--max-tokens", "12", "--json",
             "--temperature", "0"]
@@ -46,3 +47,6 @@ def test_generate_from_embedded_model_is_text(capsys):
     assert main([*args, "--block-size", "8", "--no-enable-prefix-caching", "--max-model-len",
                  "64", "--kv-cache-bytes", "4MiB"]) == 0
     assert json.loads(capsys.readouterr().out)["outputs"][0]["text"] == greedy
+    assert main([*args, "--dtype", "bfloat16", "--device", "cpu"]) == 0  # as serve takes them
+    bf16 = json.loads(capsys.readouterr().out)
+    assert bf16["summary"]["dtype"] == "bfloat16" and bf16["outputs"][0]["text"].strip()

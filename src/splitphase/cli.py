@@ -66,7 +66,7 @@ def _generate(args: argparse.Namespace) -> None:
     if not prompts:
         raise UserError("give --prompt TEXT or --prompts-file FILE")
     generate(args.model, prompts, args.max_tokens, args.temperature, args.seed, args.json,
-             args.policy, engine_kwargs(args))
+             args.policy, engine_kwargs(args), args.device, args.dtype)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="batching policy of the engine",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    gen.add_argument("--dtype", help="compute dtype (default: the checkpoint's)")
     add_engine_arguments(gen)
     gen.set_defaults(func=_generate)
     _add_serve(sub)

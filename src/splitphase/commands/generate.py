@@ -60,14 +60,18 @@ def generate(
     as_json: bool,
     policy: str = "chunked",
     engine: dict[str, Any] | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
 ) -> None:
     """Print completions and per-phase timing (or one JSON object); `engine`: EngineConfig
-    fields beside the policy."""
+    fields beside the policy; `dtype`: the compute dtype (None: the checkpoint's)."""
     params = _params(max_tokens, temperature, seed)
-    llm = LLM(model_name, policy=policy, **(engine or {}))
+    llm = LLM(model_name, device=device, dtype=dtype, policy=policy, **(engine or {}))
     t0 = time.perf_counter()
     completions = llm.generate(prompts, params)
     summary = summarize(llm.steps, completions, time.perf_counter() - t0)
+    # The workers of a disaggregated pair hold the model: there the dtype asked for, if any.
+    summary["dtype"] = str(llm.model.cfg.dtype) if llm.model is not None else dtype
     if as_json:
         outputs = [
             {
