@@ -312,6 +312,16 @@ def test_compare_verdicts_print_the_table_ratios() -> None:
         "(K/V cache fp8 vs bfloat16; weights fp8 vs bfloat16)")
 
 
+def test_compare_takes_the_dtype_our_server_states_for_its_weights() -> None:
+    from splitphase.audit.compare import weights_of
+
+    ours = {"kind": "openai", "quantization": None, "model_dtype": "bfloat16"}
+    assert weights_of(ours) == "bfloat16"
+    assert weights_of({**ours, "quantization": "fp8"}) == "fp8"  # a format says more
+    assert weights_of({"kind": "openai", "quantization": None, "model_dtype": None}) is None
+    assert weights_of({"kind": "builtin", "dtype": "float32"}) == "float32"
+
+
 def test_measured_policies_supersede_the_ideal_isolation_gain() -> None:
     """Isolation's 'after' is the no-prefill baseline; where every batching policy of our own
     engine was measured, the achievable gain is that row's."""

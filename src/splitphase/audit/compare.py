@@ -31,11 +31,11 @@ def kv_cache_of(described: dict[str, Any]) -> str | None:
 
 
 def weights_of(described: dict[str, Any]) -> str | None:
-    """A target's weight format: the quantization an openai: server's model states, or the
-    dtype an in-process model runs in."""
+    """A target's weight format: the quantization an openai: server's model states, else the
+    dtype it states it computes in (ours), or the dtype an in-process model runs in."""
     if described.get("kind") in ("builtin", "hf"):
         return described.get("dtype")
-    return described.get("quantization")
+    return described.get("quantization") or described.get("model_dtype")
 
 
 def phase_speeds(spec: str, prof: Profile, kv_cache_dtype: str | None = None,

@@ -220,6 +220,7 @@ class OpenAITarget:
             "preemptions": self.preemptions,
             "model_config_source": self.geometry_source,  # None: not asked for yet
             "quantization": self.quantization,  # the weights' format its model states
+            "model_dtype": self.model_dtype,  # the dtype it computes in, where it states it
         }
 
     def model_config(self) -> ModelConfig:
