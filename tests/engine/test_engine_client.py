@@ -19,6 +19,7 @@ from splitphase.engine.llm import LLM
 from splitphase.engine.llm_engine import LLMEngine, StepFailedError
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.errors import UserError
+from splitphase.model.checkpoint import read_config
 from splitphase.model.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -63,6 +64,17 @@ def test_greedy_text_and_step_records_equal_in_process(core_llm: LLM, tiny_ckpt:
     assert engine.state.num_used_blocks == 0 and engine.state.num_blocks > 0
     assert (engine.kv_pool_blocks, engine.kv_block_size) == (engine.state.num_blocks, 16)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_dtype_is_known_here_while_the_model_lives_in_the_core(
+    core_llm: LLM, tiny_ckpt: Path
+) -> None:
+    # What `serve` states (model_config_info, cache_config_info's "auto") and prices.
+    assert core_llm.model is None
+    assert core_llm.dtype == read_config(tiny_ckpt)[0].dtype == "float32"
+    with LLM(str(tiny_ckpt), device="cpu", dtype="bfloat16", engine_process=True) as bf16:
+        assert bf16.dtype == "bfloat16"
+        assert bf16.generate(["In the beginning"], GREEDY)[0].token_ids
 
 
 def test_a_bad_prompt_raises_the_engines_error_here(core_llm: LLM) -> None:

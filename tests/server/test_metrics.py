@@ -3,19 +3,11 @@ and the dtype the server states."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import cast
-
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitphase.engine.llm import LLM
 from splitphase.engine.llm_engine import StepRecord
 from splitphase.engine.request import Request
-from splitphase.model.checkpoint import read_config, resolve_model_dir
-from splitphase.model.config import ConfigError
 from splitphase.server.metrics import ServerMetrics
-from splitphase.server.state import served_dtype
 
 
 def _samples(metrics: ServerMetrics) -> dict[str, float]:
@@ -61,15 +53,6 @@ def test_step_and_request_token_histograms() -> None:
     assert hists["splitphase:request_generation_tokens_bucket20.0"] == 1
 
 
-def test_the_served_dtype_follows_dtype_when_the_engine_runs_apart() -> None:
-    # With the engine in its own process the server holds no model: `serve --dtype bfloat16`
-    # must still state bf16 (cache_config_info, the utilization gauges), not the checkpoint's.
-    apart = cast(LLM, SimpleNamespace(model=None))
-    small = resolve_model_dir("small")
-    assert served_dtype(apart, small, None) == read_config(small)[0].dtype == "float32"
-    assert served_dtype(apart, small, "bfloat16") == "bfloat16"
-    assert served_dtype(apart, None, None) == "bfloat16"
-    with pytest.raises(ConfigError):
-        served_dtype(apart, small, "int8")
+def test_the_server_states_the_dtype_it_computes_in() -> None:
     text = ServerMetrics("m", None, "bfloat16").render().decode()
     assert 'splitphase:model_config_info{dtype="bfloat16",model_name="m"} 1.0' in text

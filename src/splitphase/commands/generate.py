@@ -70,8 +70,7 @@ def generate(
     t0 = time.perf_counter()
     completions = llm.generate(prompts, params)
     summary = summarize(llm.steps, completions, time.perf_counter() - t0)
-    # The workers of a disaggregated pair hold the model: there the dtype asked for, if any.
-    summary["dtype"] = str(llm.model.cfg.dtype) if llm.model is not None else dtype
+    summary["dtype"] = llm.dtype
     if as_json:
         outputs = [
             {

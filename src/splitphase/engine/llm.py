@@ -14,7 +14,7 @@ from splitphase.engine.engine_client import EngineCoreClient
 from splitphase.engine.engine_core import engine_factory
 from splitphase.engine.llm_engine import LLMEngine, RequestOutput, StepRecord
 from splitphase.engine.sampling_params import SamplingParams
-from splitphase.model.checkpoint import load_model, load_tokenizer
+from splitphase.model.checkpoint import load_model, load_tokenizer, read_config, resolve_model_dir
 from splitphase.model.tokenizer import Tokenizer
 from splitphase.model.transformer import Transformer
 from splitphase.training.trainer import pick_device
@@ -79,6 +79,8 @@ class LLM:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
         self.engine: LLMEngine | DisaggregatedEngine | EngineCoreClient
         self.model: Transformer | None
+        self._name = model if isinstance(model, str) else None
+        self._dtype = dtype
         if engine_kwargs.get("policy") == "disaggregated":
             self.model = model if isinstance(model, Transformer) else None
             self.engine = DisaggregatedEngine.launch(
@@ -105,6 +107,16 @@ class LLM:
     @property
     def steps(self) -> list[StepRecord]:
         return self.engine.steps
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model computes in, here or where the engine runs (an engine process
+        or a worker pair loads the checkpoint itself, in `dtype` or the checkpoint's own)."""
+        if self.model is not None:
+            return str(self.model.cfg.dtype)
+        if self._dtype is not None or self._name is None:
+            return self._dtype or "bfloat16"
+        return read_config(resolve_model_dir(self._name))[0].dtype
 
     def close(self) -> None:
         """Stop the worker or engine core processes (no-op for an in-process engine)."""

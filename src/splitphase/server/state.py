@@ -35,8 +35,7 @@ class ServerState:
         self.config, self.llm, self.tokenizer = config, llm, llm.tokenizer
         self.model_dir = _model_dir(config.model)
         self.chat = ChatTemplate.for_model_dir(self.model_dir, self.tokenizer)
-        self.metrics = ServerMetrics(config.model_id, hardware,
-                                     served_dtype(llm, self.model_dir, config.dtype),
+        self.metrics = ServerMetrics(config.model_id, hardware, llm.dtype,
                                      config.utilization_window_s, config.kv_cache_dtype,
                                      (llm.engine.kv_block_size, llm.engine.kv_pool_blocks),
                                      {"policy": config.policy,
@@ -182,17 +181,6 @@ def _model_dir(name: str) -> Path | None:
         return resolve_model_dir(name)
     except CheckpointError:
         return None
-
-
-def served_dtype(llm: LLM, model_dir: Path | None, dtype: str | None) -> str:
-    """The dtype the engine computes in: its model's, or (the engine in its own process) the
-    `--dtype` it was started with, else the checkpoint's."""
-    if llm.model is not None:
-        return str(llm.model.cfg.dtype)
-    if model_dir is None:
-        return dtype or "bfloat16"
-    cfg = read_config(model_dir)[0]
-    return cfg.with_(dtype=dtype).dtype if dtype else cfg.dtype
 
 
 def _vocab_size(llm: LLM, model_dir: Path | None) -> int:
