@@ -327,6 +327,16 @@ def _print_table(results: dict) -> None:
               f"{b['prefill_time_fraction_concurrent']:.0%} of the concurrent run")
 
 
+def _bf16_linears() -> str:
+    """Which packed GEMM bf16 prefill linears take here: oneDNN's bf16, or the fp32 one on
+    bf16 widened (a CPU without bf16 instructions, or without AVX-512), or none."""
+    name = packed_linear.backend_for(torch.bfloat16)
+    if name is not None:
+        return name
+    wide = packed_linear.widened_backend(torch.bfloat16)
+    return f"{wide}, widened to fp32" if wide is not None else "none"
+
+
 def _bf16_attention(head_dim: int) -> str:
     """Which path bf16 prefill attention takes here."""
     if not prefill_attention.takes_bf16(head_dim):
@@ -347,6 +357,7 @@ def main() -> None:
         "native_kernel": kernel.reason if kernel.loaded else f"unavailable ({kernel.reason})",
         "packed_prefill_linears": packed_linear.mode(),
         "packed_prefill_gemm": packed_linear.backend(),
+        "packed_prefill_gemm_bfloat16": _bf16_linears(),
         "bf16_prefill_attention": _bf16_attention(ModelConfig.from_name(args.preset).head_dim),
         "malloc_keeps_freed_memory": kept,
         "llamacpp_version": llama_cpp_module()[1],

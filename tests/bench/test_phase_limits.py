@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from splitphase.hardware import cpuinfo
+from splitphase.kernels import packed_linear
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = [
     "decode_bw_fraction_b1",
@@ -41,6 +44,9 @@ def test_quick_run_writes_every_field(tmp_path: Path) -> None:
     for key in REQUIRED:
         assert key in data, key
     assert data["threads"] == 1 and data["preset"] == "tiny"
+    bf16_gemm = data["packed_prefill_gemm_bfloat16"]  # which GEMM bf16 prefill linears took
+    if packed_linear.backends() and not cpuinfo.cpu_has_bf16_instructions():
+        assert bf16_gemm.endswith(", widened to fp32")  # oneDNN's would be emulated
     assert data["gemm_forms"] == {}  # the tiny model's products are too small to be timed
     peaks = data["peaks"]
     assert peaks["triad_bytes_per_s"] > 0
