@@ -330,11 +330,10 @@ def _print_table(results: dict) -> None:
 def _bf16_linears() -> str:
     """Which packed GEMM bf16 prefill linears take here: oneDNN's bf16, or the fp32 one on
     bf16 widened (a CPU without bf16 instructions, or without AVX-512), or none."""
-    name = packed_linear.backend_for(torch.bfloat16)
-    if name is not None:
-        return name
-    wide = packed_linear.widened_backend(torch.bfloat16)
-    return f"{wide}, widened to fp32" if wide is not None else "none"
+    plan = packed_linear.gemm_plan(torch.bfloat16)
+    if plan is None:
+        return "none"
+    return f"{plan[0]}, widened to fp32" if plan[1] else plan[0]
 
 
 def _bf16_attention(head_dim: int) -> str:

@@ -192,7 +192,7 @@ def widened_backend(dtype: torch.dtype) -> str | None:
     return backend()
 
 
-def _plan(dtype: torch.dtype) -> tuple[str, bool] | None:
+def gemm_plan(dtype: torch.dtype) -> tuple[str, bool] | None:
     """(backend, widened to fp32) for a prefill linear in `dtype`; None where none applies."""
     name = backend_for(dtype)
     if name is not None:
@@ -343,7 +343,7 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     # its packed copy on, so an in-place change could not be noticed.
     if w.dim() != 2 or not w.is_contiguous() or w.is_inference():
         return False
-    return _plan(x.dtype) is not None and x.numel() >= min_rows(x.dtype) * x.shape[-1]
+    return gemm_plan(x.dtype) is not None and x.numel() >= min_rows(x.dtype) * x.shape[-1]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, pack: PackedWeight) -> torch.Tensor | None:
@@ -359,7 +359,7 @@ def stacked_linear(
     says no for any of them, or where torch's linear is the faster form."""
     if not ws or not all(usable(x, w) for w in ws):
         return None
-    plan = _plan(x.dtype)
+    plan = gemm_plan(x.dtype)
     got = pack.get(ws, *plan) if plan is not None else None  # `usable` said there is one
     if plan is None or got is None:
         return None
