@@ -227,7 +227,10 @@ def test_openai_audit_prices_quantized_weights(tmp_path: Path) -> None:
     config.write_text(json.dumps({**_LLAMA_1B_HF, "quantization_config": {
         "quant_method": "awq", "bits": 4}}))
     docs = {}
-    with FakeOpenAIServer(FakeTiming(model_id=served)) as url:
+    # 0.5 ms a token: an 8B model's FP8 weights take 2.4 ms to read on an H100, so the "too
+    # fast" warning below holds on a slow host too (the default 2 ms left a 20% margin, which
+    # the client's own overhead on a shared CPU could take).
+    with FakeOpenAIServer(FakeTiming(model_id=served, itl_s=0.0005)) as url:
         runs = {"stated": ["--hardware", "h100"], "a100": ["--hardware", "a100"],
                 "none": ["--hardware", "h100", "--quantization", "none"],
                 "file": ["--hardware", "h100", "--model-config", str(config)],
