@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -22,6 +24,7 @@ def _run(script: str, out: Path, timeout_s: int) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.serial  # under the other pytest worker's load one row's mean error reached 1.08
 def test_simulated_latencies_track_the_real_engine(tmp_path: Path) -> None:
     # The cost model is fitted to the steps of these same runs (in-run calibration), so the
     # machine's load at the time is in both; 12 requests on a shared 2-core machine are noisy,
