@@ -217,8 +217,8 @@ def _plan(args: argparse.Namespace) -> None:
         max_gpus=args.max_gpus, attainment=args.attainment, num_requests=args.num_requests,
         price_per_hour=args.price_per_hour, calibration=args.calibration, link=args.link,
         router=args.router, quick=args.quick, seed=args.seed, progress=not args.no_progress,
-        kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        warmup_fraction=args.warmup_fraction,
     ))
 
 
@@ -248,6 +248,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--max-gpus", type=int, default=64)
     pl.add_argument("--out", required=True, help="report directory (plan.html/.json/.md)")
     pl.add_argument("--num-requests", type=int, default=200, help="requests per simulation")
+    pl.add_argument("--warmup-fraction", type=float, default=0.2,
+                    help="simulate this many more requests first, as a fraction of "
+                    "--num-requests, and leave them out of every figure, cost included "
+                    "(default 0.2; 0: measure from an empty cluster)")
     pl.add_argument("--price-per-hour", type=float, help="$/GPU-hour (default: the table's)")
     pl.add_argument("--calibration", help="an audit's report.json: measured efficiency")
     pl.add_argument("--link", default="nvlink", help="KV transfer link: nvlink, infiniband, "

@@ -33,6 +33,7 @@ def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert doc["frontier"] and (tmp_path / "plan" / "plan.html").stat().st_size > 10_000
     md = (tmp_path / "plan" / "plan.md").read_text()
     assert "Cheapest" in md and "## Goodput frontier" in md
+    assert doc["warmup_fraction"] == 0.2 and "after 20% as many that warm the cluster" in md
     assert "plan.html" in capsys.readouterr().out
 
 
@@ -43,6 +44,7 @@ def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ({"--workload": "nosuchpreset"}, "unknown workload"),
     ({"--workload": "trace:EMPTY"}, "no requests"),
     ({"--model-config": "llama-3.1-70b", "--hardware": "l4", "--max-gpus": "1"}, "fits no"),
+    ({"--warmup-fraction": "-0.1"}, "warm-up fraction"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                           over: dict[str, str], message: str) -> None:

@@ -3,10 +3,22 @@ TTFT and TPOT SLOs (DistServe), colocated chunked prefill for short prompts with
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
+from splitphase.errors import UserError
 from splitphase.hardware.specs import get_hardware
 from splitphase.model.config import ModelConfig
 from splitphase.sim.metrics import SLO
-from splitphase.sim.planner import Candidate, PlanInputs, SearchSpace, run_plan
+from splitphase.sim.planner import (
+    Candidate,
+    PlanInputs,
+    SearchSpace,
+    candidate_units,
+    run_at,
+    run_plan,
+)
 from splitphase.sim.report import build_plan
 from splitphase.sim.workload import parse_workload
 
@@ -83,3 +95,18 @@ def test_goodputs_within_the_search_resolution_are_a_tie() -> None:
     lines = build_plan(inp, best, cands)["summary"]
     assert any("a tie within the goodput search's resolution" in line for line in lines)
     assert not any(" wins" in line for line in lines)
+
+
+def test_each_probe_measures_its_requests_after_a_warm_up() -> None:
+    inp = PlanInputs(ModelConfig.from_name("llama-3.1-8b"), get_hardware("h100-sxm"),
+                     parse_workload("poisson:1,prompt=fixed:2000,output=fixed:64"), 1.0,
+                     SLO(0.3, 0.05), num_requests=40, space=SPACE)
+    assert inp.warmup_fraction == 0.2
+    unit = candidate_units(inp, 2064)[0]
+    res, reqs = run_at(inp, unit, 40.0, 40)
+    assert len(reqs) == 48 and len(res.records) == 48
+    assert sorted(r.index for r in res.measured_records) == list(range(8, 48))
+    cold, cold_reqs = run_at(replace(inp, warmup_fraction=0.0), unit, 40.0, 40)
+    assert cold_reqs == reqs[:40] and cold.measured_records == cold.records
+    with pytest.raises(UserError, match="warm-up fraction"):
+        replace(inp, warmup_fraction=1.5)

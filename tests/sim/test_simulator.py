@@ -96,3 +96,43 @@ def test_summary_metrics_and_costs() -> None:
     assert strict["slo_attainment"] == 0 and strict["meets_slo"] is False
     with pytest.raises(ValueError):
         SLO(0.0, 1.0)
+
+
+def test_warmup_requests_run_but_are_not_measured() -> None:
+    # Above this replica's capacity the queue grows all run: the first requests, into an
+    # empty cluster, wait less than the ones after them.
+    reqs = parse_workload("chat").with_rate(60).generate(240, 0, 8192)
+    cluster = ClusterConfig(colocated=PoolConfig(1, 2, _sched()))
+    cold = simulate(cluster, CFG, HW, reqs)
+    warm = simulate(cluster, CFG, HW, reqs, warmup_requests=40)
+    assert [r.index for r in cold.records] == [r.index for r in warm.records]  # same run
+    assert cold.measured_records == cold.records and cold.window_start_s == 0.0
+    measured = warm.measured_records
+    assert sorted(r.index for r in measured) == list(range(40, 240))
+    assert warm.window_start_s == reqs[40].arrival_s
+    # Device time and replica totals count from that arrival on.
+    assert warm.prefill_gpu_s + warm.decode_gpu_s == pytest.approx(
+        2 * (warm.makespan_s - warm.window_start_s))
+    (name,) = warm.window
+    assert 0 < warm.window[name].busy_s < warm.replicas[0].busy_s
+    assert cold.window[name].busy_s == cold.replicas[0].busy_s
+    slo = SLO(2.0, 0.1)
+    m_cold, m_warm = (summarize(r, slo, HW.price_usd_per_hour) for r in (cold, warm))
+    assert (m_cold["requests"], m_warm["requests"]) == (240, 200)
+    assert m_warm["ttft"]["p50_s"] > m_cold["ttft"]["p50_s"]
+    assert m_warm["slo_attainment"] < m_cold["slo_attainment"]
+    with pytest.raises(ValueError, match="none left to measure"):
+        simulate(cluster, CFG, HW, reqs[:10], warmup_requests=10)
+
+
+def test_the_prefix_hit_rate_counts_the_measured_admissions() -> None:
+    reqs = parse_workload(f"trace:{SAMPLE}").with_rate(2).generate(40)
+    cluster = ClusterConfig(colocated=PoolConfig(1, 1, SchedulerConfig(
+        policy="chunked", max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=30000,
+        enable_prefix_caching=True)))
+    res = simulate(cluster, CFG, HW, reqs, warmup_requests=10)
+    (w,) = res.window.values()
+    replica = res.replicas[0]
+    assert 0 < w.prefix_cache_queries_tokens < replica.prefix_cache_queries_tokens
+    assert summarize(res, SLO(10.0, 1.0), 1.0)["prefix_cache_hit_rate"] == (
+        w.prefix_cache_hits_tokens / w.prefix_cache_queries_tokens)

@@ -32,6 +32,7 @@ class PlanOptions:
     progress: bool = True
     kv_cache_dtype: str = "auto"  # the pools' K/V cache ("auto": the bf16 the planner prices)
     quantization: str = "none"  # the replicas' weights (audit.weights' names; none: bf16)
+    warmup_fraction: float = 0.2  # requests ahead of each simulation's measured ones
 
 
 def _check(opts: PlanOptions) -> None:
@@ -81,7 +82,8 @@ def plan_inputs(opts: PlanOptions) -> Any:
     weights = None if q is None else weight_format(q, "bfloat16", has_peak=hw.has_peak)
     return PlanInputs(model, hw, workload, opts.rate, SLO(opts.slo_ttft_s, opts.slo_tpot_s,
                       opts.attainment), opts.max_gpus, opts.num_requests, opts.seed, link,
-                      opts.router, eff, space, kv_dtype_bytes=kv_b, weights=weights)
+                      opts.router, eff, space, kv_dtype_bytes=kv_b, weights=weights,
+                      warmup_fraction=opts.warmup_fraction)
 
 
 def plan(opts: PlanOptions) -> dict[str, Any]:

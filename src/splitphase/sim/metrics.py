@@ -57,8 +57,8 @@ def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
 
 
 def summarize(result: SimResult, slo: SLO, price_usd_per_hour: float) -> dict[str, object]:
-    """JSON-ready metrics of one run."""
-    recs = result.records
+    """JSON-ready metrics of one run's measured requests (after its warm-up, if any)."""
+    recs = result.measured_records
     span_s = max(result.makespan_s - min(r.arrival_s for r in recs), 1e-12)
     in_tok = sum(r.prompt_len for r in recs)
     out_tok = sum(r.output_len for r in recs)
@@ -67,7 +67,8 @@ def summarize(result: SimResult, slo: SLO, price_usd_per_hour: float) -> dict[st
     span_gpu_s = result.prefill_gpu_s + result.decode_gpu_s
     # Device time is split by phase (a disaggregated pool is all one phase; a colocated
     # replica is split by its busy-time mix), then priced per token of that phase.
-    queries = sum(r.prefix_cache_queries_tokens for r in result.replicas)
+    window = result.window.values()
+    queries = sum(w.prefix_cache_queries_tokens for w in window)
     pre_usd = result.prefill_gpu_s * gpu_usd_per_s
     dec_usd = result.decode_gpu_s * gpu_usd_per_s
     return {
@@ -82,13 +83,14 @@ def summarize(result: SimResult, slo: SLO, price_usd_per_hour: float) -> dict[st
         "preemptions": sum(r.num_preemptions for r in recs),
         # Prompt tokens found computed at admission (a trace's shared blocks); None: none
         # looked up (no prefix reuse in the workload, so the replicas cache none).
-        "prefix_cache_hit_rate": (sum(r.prefix_cache_hits_tokens for r in result.replicas)
-                                  / queries if queries else None),
+        "prefix_cache_hit_rate": (sum(w.prefix_cache_hits_tokens for w in window) / queries
+                                  if queries else None),
         "kv_transfer_s_total": result.kv_transfer_s,
         "gpus": result.num_gpus,
         "gpu_hours": span_gpu_s / 3600,
         "usd_per_million_input_tokens": pre_usd / in_tok * 1e6 if in_tok else None,
         "usd_per_million_output_tokens": dec_usd / out_tok * 1e6 if out_tok else None,
         "usd_per_million_tokens": (pre_usd + dec_usd) / (in_tok + out_tok) * 1e6,
-        "utilization": sum(r.busy_s * r.cost.tp for r in result.replicas) / max(span_gpu_s, 1e-12),
+        "utilization": sum(result.window[r.name].busy_s * r.cost.tp for r in result.replicas)
+        / max(span_gpu_s, 1e-12),
     }

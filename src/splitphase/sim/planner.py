@@ -65,6 +65,13 @@ class PlanInputs:
     length_cap: int | None = None  # prompt + output tokens per request; None: the model context
     kv_dtype_bytes: int | None = None  # the K/V cache's width (fp8: 1); None: the model's
     weights: WeightFormat | None = None  # quantized weights; None: bf16, as the activations
+    # Requests simulated ahead of each probe's measured ones, as a fraction of them: a run that
+    # starts empty lets its first requests through unqueued and finds prefix caches cold.
+    warmup_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.warmup_fraction) and 0 <= self.warmup_fraction <= 1):
+            raise UserError(f"the warm-up fraction must be in [0, 1], got {self.warmup_fraction}")
 
     def weight_kwargs(self) -> dict[str, Any]:
         """The cost model's dtype and weight width for quantized weights (none: its defaults)."""
@@ -197,10 +204,13 @@ def saturation_rate(inp: PlanInputs, unit: ClusterConfig) -> float:
 
 def run_at(inp: PlanInputs, cluster: ClusterConfig, rate_per_s: float, num_requests: int
            ) -> tuple[SimResult, list[SimRequest]]:
-    """Simulate `cluster` on the workload at `rate_per_s`."""
-    reqs = inp.workload.with_rate(rate_per_s).generate(num_requests, inp.seed, _max_len(inp))
-    return simulate(cluster, inp.model, inp.hardware, reqs,
-                    kv_dtype_bytes=inp.kv_dtype_bytes, **inp.weight_kwargs()), reqs
+    """Simulate `cluster` on the workload at `rate_per_s`: `num_requests` measured, after
+    `warmup_fraction` as many more that only warm it."""
+    warmup = math.ceil(num_requests * inp.warmup_fraction)
+    reqs = inp.workload.with_rate(rate_per_s).generate(warmup + num_requests, inp.seed,
+                                                       _max_len(inp))
+    return simulate(cluster, inp.model, inp.hardware, reqs, kv_dtype_bytes=inp.kv_dtype_bytes,
+                    warmup_requests=warmup, **inp.weight_kwargs()), reqs
 
 
 def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:
@@ -213,7 +223,7 @@ def search_goodput(inp: PlanInputs, unit: ClusterConfig) -> Candidate:
             cand.probe_limited = True
             n = inp.num_requests * inp.max_requests_factor
         res, _ = run_at(inp, unit, rate, n)
-        att = attainment(res.records, inp.slo)
+        att = attainment(res.measured_records, inp.slo)
         cand.curve.append((rate, att))
         if att >= inp.slo.attainment and rate > cand.goodput_rate_per_s:
             cand.goodput_rate_per_s = rate
@@ -252,8 +262,9 @@ def verify(inp: PlanInputs, cand: Candidate) -> bool:
         res, _ = run_at(inp, cluster, inp.rate_per_s, n * min(copies, 4))
         cand.copies = copies
         cand.verified = summarize(res, inp.slo, inp.hardware.price_usd_per_hour)
-        cand.verified["ttft_samples_s"] = [r.ttft_s for r in res.records]
-        cand.verified["tpot_samples_s"] = [t for r in res.records if (t := r.tpot_s) is not None]
+        measured = res.measured_records
+        cand.verified["ttft_samples_s"] = [r.ttft_s for r in measured]
+        cand.verified["tpot_samples_s"] = [t for r in measured if (t := r.tpot_s) is not None]
         if cand.verified["meets_slo"]:
             return True
         copies += 1
@@ -265,7 +276,8 @@ def run_plan(inp: PlanInputs, progress: Callable[[Iterable[Any]], Iterable[Any]]
     """Search every unit's goodput, then verify units from cheapest until one meets the SLOs."""
     # The largest probe draws a superset of every smaller probe's lengths (same seed), so its
     # longest request bounds them all; `mixed` needs a budget that holds it whole.
-    probe = inp.workload.generate(inp.num_requests * inp.max_requests_factor, inp.seed,
+    biggest = inp.num_requests * inp.max_requests_factor
+    probe = inp.workload.generate(biggest + math.ceil(biggest * inp.warmup_fraction), inp.seed,
                                   _max_len(inp))
     longest = max(r.prompt_len + r.output_len for r in probe)
     inp = replace(inp, length_cap=longest)

@@ -137,6 +137,7 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
                 "attainment": inp.slo.attainment},
         "max_gpus": inp.max_gpus,
         "num_requests": inp.num_requests,
+        "warmup_fraction": inp.warmup_fraction,
         "efficiency": inp.efficiency.to_dict(),
         "kv_dtype_bytes": inp.kv_dtype_bytes,  # None: bf16, as the activations
         "weights": None if inp.weights is None else {  # None: bf16
@@ -220,6 +221,14 @@ def _kv_note(doc: dict[str, Any]) -> str:
                                        f"(matmuls in {weights['compute_dtype']})" + kv)
 
 
+def _runs_note(doc: dict[str, Any]) -> str:
+    n, f = doc["num_requests"], doc["warmup_fraction"]
+    if not f:
+        return f"each simulation measures its requests ({n} or more) from an empty cluster"
+    return (f"each simulation measures its requests ({n} or more) after {f:.0%} as many "
+            "that warm the cluster")
+
+
 def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:
     """Write plan.json, plan.html and plan.md into `out_dir`."""
     out = Path(out_dir)
@@ -238,7 +247,8 @@ def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate])
         f'</title><style>{CSS}</style></head><body><main><header><h1>splitphase plan</h1>'
         f'<div class="meta">{escape(doc["model"])} on {escape(doc["hardware"]["name"])}, '
         f'workload {escape(str(wl["name"]))} at {doc["rate_per_s"]:g} req/s; SLOs TTFT '
-        f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s{_kv_note(doc)}</div></header>'
+        f'{doc["slo"]["ttft_s"]:g} s, TPOT {doc["slo"]["tpot_s"]:g} s{_kv_note(doc)}; '
+        f'{escape(_runs_note(doc))}</div></header>'
         f'<div class="summary"><ul>{summary}</ul></div><section>{imgs}'
         f'<h2>Goodput frontier</h2>{table_html(front_header, front, wide_cols=(1,))}'
         f'<h2>Every configuration</h2>{table_html(TABLE_HEADER, rows, wide_cols=(0,))}'
@@ -246,6 +256,7 @@ def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate])
         '</body></html>'
     )
     md = ("# splitphase plan\n\n" + "".join(f"- {s}\n" for s in doc["summary"])
+          + f"\n{_runs_note(doc).capitalize()}.\n"
           + "\n## Goodput frontier\n\n" + table_md(front_header, front)
           + "\n## Every configuration\n\n" + table_md(TABLE_HEADER, rows))
     try:

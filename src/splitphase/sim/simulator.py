@@ -7,6 +7,10 @@ blocks, the decode replica takes the request). After every event the replicas it
 their next step if they are idle and have work: continuous batching, one step in flight each.
 Each prefill replica sends one KV transfer at a time over its link (the transfer queue). An
 optional dispatch delay models a front end's hop between a request's arrival and its replica.
+A run may begin with warm-up requests: simulated like the rest, so the measured ones find
+queues, batches and prefix caches as a running deployment has them, but left out of the
+measured records, and the device time and replica totals are counted from the arrival of the
+first measured request (`SimResult.measured_records`, `window_start_s`, `window`).
 A replica may take a run of identical decode steps as one (`sim.replica`, fast-forward): a
 request delivered to it cuts the run first, and the step-end event the run had pushed goes
 stale (each replica's latest step event is the live one; stale ones are skipped).
@@ -59,6 +63,27 @@ class RequestRecord:
         return self.finished_s - self.arrival_s
 
 
+@dataclass(frozen=True)
+class ReplicaTotals:
+    """A replica's running totals: device busy time and prefix-cache lookups."""
+
+    busy_s: float = 0.0
+    prefill_busy_s: float = 0.0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+
+    @classmethod
+    def of(cls, r: Replica) -> ReplicaTotals:
+        return cls(r.busy_s, r.prefill_busy_s, r.prefix_cache_queries_tokens,
+                   r.prefix_cache_hits_tokens)
+
+    def minus(self, earlier: ReplicaTotals) -> ReplicaTotals:
+        return ReplicaTotals(
+            self.busy_s - earlier.busy_s, self.prefill_busy_s - earlier.prefill_busy_s,
+            self.prefix_cache_queries_tokens - earlier.prefix_cache_queries_tokens,
+            self.prefix_cache_hits_tokens - earlier.prefix_cache_hits_tokens)
+
+
 @dataclass
 class SimResult:
     """Every finished request, plus per-replica busy time and step logs."""
@@ -72,6 +97,14 @@ class SimResult:
     prefill_gpu_s: float = 0.0  # device-seconds attributed to prefill work (for cost by phase)
     decode_gpu_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    warmup: frozenset[int] = frozenset()  # indices of the requests that only warmed the run
+    window_start_s: float = 0.0  # the first measured arrival (0: the whole run)
+    window: dict[str, ReplicaTotals] = field(default_factory=dict)  # each replica's, since then
+
+    @property
+    def measured_records(self) -> list[RequestRecord]:
+        """The records of the requests after the warm-up (all, without one)."""
+        return [r for r in self.records if r.index not in self.warmup]
 
 
 class Simulation:
@@ -102,10 +135,14 @@ class Simulation:
         self._records: list[RequestRecord] = []
         self._xfer_s = 0.0
 
-    def run(self, requests: Sequence[SimRequest]) -> SimResult:
-        """Simulate until every request has finished."""
+    def run(self, requests: Sequence[SimRequest], warmup_requests: int = 0) -> SimResult:
+        """Simulate until every request has finished; the first `warmup_requests` by arrival
+        warm the cluster and are not measured."""
         reqs = sorted(requests, key=lambda r: r.arrival_s)
         i, n, events, now = 0, len(reqs), 0, 0.0
+        if not 0 <= warmup_requests < max(n, 1):
+            raise ValueError(f"{warmup_requests} warm-up requests of {n}: none left to measure")
+        start, start_s, start_xfer_s = self._totals(), 0.0, 0.0
         heap = self._heap
         step_seq = self._step_seq
         while i < n or heap:
@@ -126,24 +163,40 @@ class Simulation:
                 sim = reqs[i]
                 i += 1
                 now = sim.arrival_s
+                if warmup_requests and i == warmup_requests + 1:  # the first measured one
+                    start, start_s, start_xfer_s = self._totals(), now, self._xfer_s
                 if self.cluster.dispatch_s > 0:
                     self._push(now + self.cluster.dispatch_s, _ADD, sim)
                 else:
                     self._admit(sim, now)
-        replicas = self.colocated + self.prefill + self.decode
-        result = SimResult(self._records, replicas, now, self.cluster.num_gpus, self._xfer_s,
-                           events)
+        end = self._totals()
+        return self._result(
+            SimResult(self._records, self._replicas(), now, self.cluster.num_gpus,
+                      self._xfer_s - start_xfer_s, events,
+                      warmup=frozenset(r.index for r in reqs[:warmup_requests]),
+                      window_start_s=start_s, window={k: end[k].minus(start[k]) for k in end}))
+
+    def _result(self, result: SimResult) -> SimResult:
+        """`result` with its device time from the window's start on, split by phase."""
+        span_s = result.makespan_s - result.window_start_s
+        replicas = result.replicas
         for r in replicas:
-            tp = r.cost.tp
+            tp, w = r.cost.tp, result.window[r.name]
             if r.role == "prefill":
-                result.prefill_gpu_s += tp * now
+                result.prefill_gpu_s += tp * span_s
             elif r.role == "decode":
-                result.decode_gpu_s += tp * now
-            else:  # split a colocated replica's whole time by its busy-time phase mix
-                share = r.prefill_busy_s / r.busy_s if r.busy_s > 0 else 0.0
-                result.prefill_gpu_s += tp * now * share
-                result.decode_gpu_s += tp * now * (1 - share)
+                result.decode_gpu_s += tp * span_s
+            else:  # split a colocated replica's measured time by its busy-time phase mix
+                share = w.prefill_busy_s / w.busy_s if w.busy_s > 0 else 0.0
+                result.prefill_gpu_s += tp * span_s * share
+                result.decode_gpu_s += tp * span_s * (1 - share)
         return result
+
+    def _replicas(self) -> list[Replica]:
+        return self.colocated + self.prefill + self.decode
+
+    def _totals(self) -> dict[str, ReplicaTotals]:
+        return {r.name: ReplicaTotals.of(r) for r in self._replicas()}
 
     def _admit(self, sim: SimRequest, now_s: float) -> None:
         self._deliver(self.front.pick(), make_request(sim), now_s)
@@ -211,13 +264,14 @@ class Simulation:
 def simulate(cluster: ClusterConfig, model: ModelConfig, hardware: HardwareSpec,
              requests: Sequence[SimRequest], record_steps: bool = False,
              dtype: str = "bfloat16", dtype_bytes: int = 2, fast_forward: bool = True,
-             kv_dtype_bytes: int | None = None, weight_bytes_per_param: float | None = None
-             ) -> SimResult:
+             kv_dtype_bytes: int | None = None, weight_bytes_per_param: float | None = None,
+             warmup_requests: int = 0) -> SimResult:
     """Run `requests` through `cluster` and return what happened.
 
     fast_forward=False steps every decode through the scheduler (the same results, slower);
     kv_dtype_bytes: the K/V cache's width (None: dtype_bytes); weight_bytes_per_param:
-    quantized weights' (None: dtype_bytes), with dtype their matmuls' dtype.
+    quantized weights' (None: dtype_bytes), with dtype their matmuls' dtype;
+    warmup_requests: how many of the first requests only warm the cluster (`Simulation.run`).
     """
-    return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes,
-                      fast_forward, kv_dtype_bytes, weight_bytes_per_param).run(requests)
+    return Simulation(cluster, model, hardware, record_steps, dtype, dtype_bytes, fast_forward,
+                      kv_dtype_bytes, weight_bytes_per_param).run(requests, warmup_requests)
