@@ -31,7 +31,7 @@ from splitphase.engine.llm import LLM
 from splitphase.engine.sampling_params import SamplingParams
 from splitphase.engine.scheduler import SchedulerConfig, SchedulerOutput
 from splitphase.hardware.calibrate import calibrate
-from splitphase.hardware.specs import LinkSpec
+from splitphase.hardware.specs import HardwareSpec, LinkSpec
 from splitphase.model.config import ModelConfig
 from splitphase.sim.calibrate import StepSample, fit_efficiency
 from splitphase.sim.cluster import ClusterConfig, PoolConfig
@@ -184,10 +184,11 @@ def mean(rows: list[dict[str, float]], key: str) -> float:
     return statistics.fmean(vals) if vals else float("nan")
 
 
-def simulated(policy: str, cfg: ModelConfig, reqs: list[SimRequest],
+def simulated(policy: str, cfg: ModelConfig, hw: HardwareSpec, reqs: list[SimRequest],
               effs: dict[str, Efficiency], hops: tuple[float, float]
               ) -> list[dict[str, float]]:
-    hw = calibrate(quick=True)
+    """The fitted fractions are of `hw`'s peaks, so the replay must use that same spec (a
+    fresh `calibrate` may re-measure the peaks and scale every step by the ratio)."""
     if policy == "disaggregated":
         cluster = ClusterConfig(
             prefill=PoolConfig(1, 1, sched_config(policy, "prefill", cfg), effs["prefill"]),
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         fits[policy] = {**{k: e.to_dict() for k, e in effs.items()}, "hop_s": hops[0],
                         "handoff_s": hops[1]}
         for name, reqs in streams.items():
-            sim = simulated(policy, cfg, reqs, effs, hops)
+            sim = simulated(policy, cfg, hw, reqs, effs, hops)
             row = {"workload": name, "policy": policy, "requests": len(rows[name])}
             for key in ("ttft_s", "tpot_s"):
                 real, pred = p50(rows[name], key), p50(sim, key)
