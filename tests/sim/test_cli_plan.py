@@ -12,6 +12,7 @@ import pytest
 from splitphase.cli import main
 
 BASE = ["plan", "--no-progress"]
+SAMPLE = Path(__file__).parent / "mooncake_sample.jsonl"  # 40 requests
 
 
 def _args(tmp_path: Path, **over: str) -> list[str]:
@@ -37,6 +38,17 @@ def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "plan.html" in capsys.readouterr().out
 
 
+def test_a_plan_states_where_its_trace_replay_starts(tmp_path: Path) -> None:
+    over = {"--workload": f"trace:{SAMPLE},start=10", "--num-requests": "10", "--rate": "0.5",
+            "--slo-ttft-s": "5", "--slo-tpot-s": "0.1", "--max-gpus": "8"}
+    assert main(_args(tmp_path, **over) + ["--quick"]) == 0
+    doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert doc["workload"]["trace_start"] == 10 and doc["workload"]["trace_requests"] == 40
+    assert doc["workload"]["name"].endswith(",start=10")
+    md = (tmp_path / "plan" / "plan.md").read_text()
+    assert "replaying the trace from its request 10 (of 40, counted from 0)" in md
+
+
 @pytest.mark.parametrize(("over", "message"), [
     ({"--rate": "-1"}, "--rate"),
     ({"--slo-ttft-s": "0"}, "--slo-ttft-s"),
@@ -45,6 +57,7 @@ def test_plan_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ({"--workload": "trace:EMPTY"}, "no requests"),
     ({"--model-config": "llama-3.1-70b", "--hardware": "l4", "--max-gpus": "1"}, "fits no"),
     ({"--warmup-fraction": "-0.1"}, "warm-up fraction"),
+    ({"--workload": f"trace:{SAMPLE},start=40"}, "skips every request"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                           over: dict[str, str], message: str) -> None:

@@ -4,6 +4,7 @@ TTFT and TPOT SLOs (DistServe), colocated chunked prefill for short prompts with
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,17 @@ def test_each_probe_measures_its_requests_after_a_warm_up() -> None:
     assert cold_reqs == reqs[:40] and cold.measured_records == cold.records
     with pytest.raises(UserError, match="warm-up fraction"):
         replace(inp, warmup_fraction=1.5)
+
+
+def test_a_trace_too_short_for_a_probe_warms_the_same_share_of_it() -> None:
+    sample = Path(__file__).parent / "mooncake_sample.jsonl"  # 40 requests
+    inp = PlanInputs(ModelConfig.from_name("llama-3.1-8b"), get_hardware("h100-sxm"),
+                     parse_workload(f"trace:{sample},start=16"), 1.0, SLO(5.0, 0.1),
+                     num_requests=20, space=SPACE, length_cap=32768)
+    unit = candidate_units(inp, 32768)[0]
+    res, reqs = run_at(inp, unit, 1.0, 20)  # 20 + 4 asked of the 24 there are
+    assert len(reqs) == 24 and len(res.measured_records) == 20
+    res, reqs = run_at(inp, unit, 1.0, 100)  # a probe asking for more gets 24, 4 warming
+    assert len(reqs) == 24 and len(res.measured_records) == 20
+    with pytest.raises(UserError, match="holds 24 requests from request 16 on"):
+        replace(inp, num_requests=21)  # 21 + 5

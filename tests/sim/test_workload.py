@@ -68,6 +68,24 @@ def test_mooncake_trace_replay_scales_time_and_keeps_hashes() -> None:
         (t.prompt_len, t.output_len) for t in trace}
 
 
+def test_a_trace_replays_from_its_start_option() -> None:
+    whole = parse_workload(f"trace:{SAMPLE}")
+    later = parse_workload(f"trace:{SAMPLE},start=25")
+    full, tail = whole.generate(40), later.generate(15)
+    # The same requests from the 26th on, time measured from the first replayed one.
+    assert [(r.prompt_len, r.output_len, r.hash_ids) for r in tail] == [
+        (r.prompt_len, r.output_len, r.hash_ids) for r in full[25:]]
+    assert [r.arrival_s for r in tail] == pytest.approx(
+        [r.arrival_s - full[25].arrival_s for r in full[25:]])
+    assert later.describe()["trace_start"] == 25 and later.describe()["trace_requests"] == 40
+    assert later.name.endswith(",start=25") and whole.describe()["trace_start"] == 0
+    with pytest.raises(WorkloadError, match="holds 40"):
+        parse_workload(f"trace:{SAMPLE},start=40")
+    for bad in ("start=-1", "start=x", "rate=2", "start"):
+        with pytest.raises(WorkloadError, match="start=N"):
+            parse_workload(f"trace:{SAMPLE},{bad}")
+
+
 def test_requests_sharing_a_tick_arrive_inside_it() -> None:
     # Mooncake stamps arrivals in 3 s ticks: replayed as stamped, a tick is one burst.
     trace = load_trace(SAMPLE)

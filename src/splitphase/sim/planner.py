@@ -72,6 +72,16 @@ class PlanInputs:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.warmup_fraction) and 0 <= self.warmup_fraction <= 1):
             raise UserError(f"the warm-up fraction must be in [0, 1], got {self.warmup_fraction}")
+        held, need = len(self.workload.trace), self.requests_with_warmup(self.num_requests)
+        if 0 < held < need:
+            raise UserError(
+                f"the trace holds {held} requests from request {self.workload.trace_start} on,"
+                f" fewer than {self.num_requests} to measure and their warm-up ({need} in all);"
+                " lower --num-requests or the trace's start=")
+
+    def requests_with_warmup(self, num_requests: int) -> int:
+        """`num_requests` to measure and the warm-up simulated ahead of them."""
+        return num_requests + math.ceil(num_requests * self.warmup_fraction)
 
     def weight_kwargs(self) -> dict[str, Any]:
         """The cost model's dtype and weight width for quantized weights (none: its defaults)."""
@@ -209,6 +219,8 @@ def run_at(inp: PlanInputs, cluster: ClusterConfig, rate_per_s: float, num_reque
     warmup = math.ceil(num_requests * inp.warmup_fraction)
     reqs = inp.workload.with_rate(rate_per_s).generate(warmup + num_requests, inp.seed,
                                                        _max_len(inp))
+    if len(reqs) < warmup + num_requests:  # a trace ran out: the same share of it warms
+        warmup = math.floor(len(reqs) * inp.warmup_fraction / (1 + inp.warmup_fraction))
     return simulate(cluster, inp.model, inp.hardware, reqs, kv_dtype_bytes=inp.kv_dtype_bytes,
                     warmup_requests=warmup, **inp.weight_kwargs()), reqs
 
@@ -277,8 +289,7 @@ def run_plan(inp: PlanInputs, progress: Callable[[Iterable[Any]], Iterable[Any]]
     # The largest probe draws a superset of every smaller probe's lengths (same seed), so its
     # longest request bounds them all; `mixed` needs a budget that holds it whole.
     biggest = inp.num_requests * inp.max_requests_factor
-    probe = inp.workload.generate(biggest + math.ceil(biggest * inp.warmup_fraction), inp.seed,
-                                  _max_len(inp))
+    probe = inp.workload.generate(inp.requests_with_warmup(biggest), inp.seed, _max_len(inp))
     longest = max(r.prompt_len + r.output_len for r in probe)
     inp = replace(inp, length_cap=longest)
     units = candidate_units(inp, longest)

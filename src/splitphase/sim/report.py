@@ -222,11 +222,13 @@ def _kv_note(doc: dict[str, Any]) -> str:
 
 
 def _runs_note(doc: dict[str, Any]) -> str:
-    n, f = doc["num_requests"], doc["warmup_fraction"]
+    n, f, wl = doc["num_requests"], doc["warmup_fraction"], doc["workload"]
+    where = ("" if "trace_start" not in wl else f", replaying the trace from its request "
+             f"{wl['trace_start']} (of {wl['trace_requests']}, counted from 0)")
     if not f:
-        return f"each simulation measures its requests ({n} or more) from an empty cluster"
+        return f"each simulation measures its requests ({n} or more) from an empty cluster{where}"
     return (f"each simulation measures its requests ({n} or more) after {f:.0%} as many "
-            "that warm the cluster")
+            f"that warm the cluster{where}")
 
 
 def write_plan(out_dir: str | Path, doc: dict[str, Any], cands: list[Candidate]) -> Path:

@@ -5,10 +5,11 @@
 - `poisson:RATE[,prompt=DIST][,output=DIST][,lengths=trace:PATH]`;
 - `gamma:RATE:CV[,...]`: bursty arrivals, gamma inter-arrival times with coefficient of
   variation CV (CV = 1 is Poisson, CV > 1 is burstier);
-- `trace:PATH`: a JSONL trace replayed as recorded (Mooncake format: `timestamp` in ms,
-  `input_length`, `output_length`, `hash_ids` of 512-token prefix blocks; or the audit's
-  `prompt_tokens` / `output_tokens`); requests that share a timestamp arrive spread inside
-  the trace's time resolution (`spread_ties`).
+- `trace:PATH[,start=N]`: a JSONL trace replayed as recorded (Mooncake format: `timestamp` in
+  ms, `input_length`, `output_length`, `hash_ids` of 512-token prefix blocks; or the audit's
+  `prompt_tokens` / `output_tokens`) from its N-th request (0, the first, by default);
+  requests that share a timestamp arrive spread inside the trace's time resolution
+  (`spread_ties`).
 DIST is `fixed:N`, `uniform:LO:HI`, `lognormal:MEDIAN:SIGMA` or `trace:PATH` (the trace's
 lengths, sampled). A preset also takes options: `rag,rate=2`. `lengths=trace:PATH` samples
 (prompt, output) pairs jointly from a trace.
@@ -111,6 +112,7 @@ class WorkloadSpec:
     # them (`spread_ties` spreads the requests that share one inside that gap).
     trace_timestamps: int = 0
     trace_resolution_s: float = 0.0
+    trace_start: int = 0  # the recorded request `trace[0]` is (requests before it are skipped)
 
     def with_rate(self, rate_per_s: float) -> WorkloadSpec:
         """The same workload at another mean arrival rate (a trace is time-scaled)."""
@@ -180,7 +182,8 @@ class WorkloadSpec:
         if self.arrival == "gamma":
             doc["cv"] = self.cv
         if self.trace:
-            doc["trace_requests"] = len(self.trace)
+            doc["trace_requests"] = self.trace_start + len(self.trace)
+            doc["trace_start"] = self.trace_start
             doc["trace_timestamps"] = self.trace_timestamps
             doc["trace_resolution_s"] = round(self.trace_resolution_s, 6)  # ms stamps
         elif self.pairs:
@@ -308,15 +311,7 @@ def parse_workload(spec: str) -> WorkloadSpec:
     head, *opts = [s.strip() for s in spec.split(",")]
     kind, _, rest = head.partition(":")
     if kind == "trace":
-        if opts:
-            raise WorkloadError("trace:PATH takes no options; the trace gives lengths and times")
-        recorded = load_trace(rest)
-        stamps, resolution_s = time_resolution(recorded)
-        trace = spread_ties(recorded)
-        span = trace[-1].timestamp_s - trace[0].timestamp_s
-        rate = (len(trace) - 1) / span if span > 0 else 1.0
-        return WorkloadSpec(f"trace:{Path(rest).name}", "trace", rate, trace=trace,
-                            trace_timestamps=stamps, trace_resolution_s=resolution_s)
+        return _trace_workload(rest, opts)
     if kind in PRESETS and not rest:
         wl = PRESETS[kind]
     elif kind in ("poisson", "gamma"):
@@ -324,9 +319,36 @@ def parse_workload(spec: str) -> WorkloadSpec:
     else:
         raise WorkloadError(
             f"unknown workload {spec!r}; use a preset ({', '.join(PRESETS)}), poisson:RATE,"
-            " gamma:RATE:CV or trace:PATH (options: ,prompt=DIST ,output=DIST ,lengths=trace:PATH)"
+            " gamma:RATE:CV (options: ,prompt=DIST ,output=DIST ,lengths=trace:PATH) or"
+            " trace:PATH[,start=N]"
         )
     return _with_options(wl, opts)
+
+
+def _trace_workload(path: str, opts: list[str]) -> WorkloadSpec:
+    """A trace replay from its `start=N`-th request: a trace is not stationary, so which
+    stretch is replayed can move a plan, and `start` picks another one."""
+    start = 0
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key != "start" or not (value.isascii() and value.isdigit()):
+            raise WorkloadError(f"bad trace option {opt!r}; trace:PATH takes only start=N (the"
+                                " first request replayed, from 0): the trace gives lengths and"
+                                " times")
+        start = int(value)
+    recorded = load_trace(path)
+    if start >= len(recorded):
+        raise WorkloadError(f"start={start} skips every request: {Path(path).name} holds"
+                            f" {len(recorded)} (start counts from 0)")
+    stamps, resolution_s = time_resolution(recorded)
+    # Ties spread over the whole recording, then cut: a request arrives at the same offset
+    # inside its tick whichever stretch is replayed.
+    trace = spread_ties(recorded)[start:]
+    span = trace[-1].timestamp_s - trace[0].timestamp_s
+    rate = (len(trace) - 1) / span if span > 0 else 1.0
+    name = f"trace:{Path(path).name}" + (f",start={start}" if start else "")
+    return WorkloadSpec(name, "trace", rate, trace=trace, trace_timestamps=stamps,
+                        trace_resolution_s=resolution_s, trace_start=start)
 
 
 def _arrivals(kind: str, rest: str) -> WorkloadSpec:
