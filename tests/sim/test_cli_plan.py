@@ -47,6 +47,8 @@ def test_a_plan_states_where_its_trace_replay_starts(tmp_path: Path) -> None:
     assert doc["workload"]["name"].endswith(",start=10")
     md = (tmp_path / "plan" / "plan.md").read_text()
     assert "replaying the trace from its request 10 (of 40, counted from 0)" in md
+    stated = doc["best"]["at_rate"]["prompt_tokens"]
+    assert f"measured requests' prompts: mean {stated['mean']:,.0f}," in md
 
 
 @pytest.mark.parametrize(("over", "message"), [

@@ -122,6 +122,11 @@ def test_warmup_requests_run_but_are_not_measured() -> None:
           f"{m_cold['ttft']['p50_s']:.2f} s; after 40 warm-up requests: "
           f"{m_warm['slo_attainment']:.0%}, {m_warm['ttft']['p50_s']:.2f} s")
     assert (m_cold["requests"], m_warm["requests"]) == (240, 200)
+    prompts = [r.prompt_len for r in reqs[40:]]  # the lengths stated are the measured ones'
+    assert m_warm["prompt_tokens"]["max"] == max(prompts)
+    assert m_warm["prompt_tokens"]["mean"] == pytest.approx(sum(prompts) / 200)
+    assert m_cold["prompt_tokens"]["mean"] != pytest.approx(sum(prompts) / 200)
+    assert m_warm["output_tokens"]["p90"] == percentile([r.output_len for r in reqs[40:]], 90)
     assert m_warm["ttft"]["p50_s"] > m_cold["ttft"]["p50_s"]
     assert m_warm["slo_attainment"] < m_cold["slo_attainment"]
     with pytest.raises(ValueError, match="none left to measure"):

@@ -51,6 +51,11 @@ def _pcts(values: Sequence[float]) -> dict[str, float]:
     return {f"p{q}_s": percentile(values, q) for q in (50, 90, 99)}
 
 
+def _lengths(values: Sequence[int]) -> dict[str, float]:
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "max": max(values)}
+
+
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
     """Fraction of requests meeting both SLOs."""
     return sum(1 for r in records if slo.met_by(r)) / len(records) if records else 0.0
@@ -73,6 +78,10 @@ def summarize(result: SimResult, slo: SLO, price_usd_per_hour: float) -> dict[st
     dec_usd = result.decode_gpu_s * gpu_usd_per_s
     return {
         "requests": len(recs),
+        # What was measured, in tokens: a trace's stretches differ, and its longest prompts
+        # can size a plan (each one's prefill queues what arrives behind it).
+        "prompt_tokens": _lengths([r.prompt_len for r in recs]),
+        "output_tokens": _lengths([r.output_len for r in recs]),
         "ttft": _pcts([r.ttft_s for r in recs]),
         "tpot": _pcts([t for r in recs if (t := r.tpot_s) is not None]),
         "e2e": _pcts([r.e2e_s for r in recs]),

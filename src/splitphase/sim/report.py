@@ -107,6 +107,14 @@ def _prefix_note(hit_rate: float | None) -> str:
             " (the workload's shared prefix blocks) and not prefilled again.")
 
 
+def _lengths_note(verified: dict[str, Any]) -> str:
+    p = verified.get("prompt_tokens")
+    if not p:
+        return ""
+    return (f" Its {verified['requests']} measured requests' prompts: mean {p['mean']:,.0f},"
+            f" p90 {p['p90']:,.0f}, longest {p['max']:,.0f} tokens.")
+
+
 def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
                ) -> dict[str, Any]:
     """plan.json as a dict."""
@@ -124,7 +132,7 @@ def build_plan(inp: PlanInputs, best: Candidate | None, cands: list[Candidate]
             f"Cheapest: {best.unit.label()} x {best.copies} = {_gpus(best.gpus_needed or 0)} "
             f"(${(best.gpus_needed or 0) * price:.2f}/hour) serves {inp.rate_per_s:g} req/s with "
             f"{v.get('slo_attainment', 0):.0%} of requests inside both SLOs."
-            + _prefix_note(v.get("prefix_cache_hit_rate")))
+            + _prefix_note(v.get("prefix_cache_hit_rate")) + _lengths_note(v))
     if colo and dis and ratio is not None:
         summary.append(_goodput_line(colo, dis, ratio))
     return {
