@@ -112,7 +112,7 @@ class WorkloadSpec:
     # them (`spread_ties` spreads the requests that share one inside that gap).
     trace_timestamps: int = 0
     trace_resolution_s: float = 0.0
-    trace_start: int = 0  # the recorded request `trace[0]` is (requests before it are skipped)
+    trace_start: int = 0  # index in the recording of `trace[0]` (those before it are skipped)
 
     def with_rate(self, rate_per_s: float) -> WorkloadSpec:
         """The same workload at another mean arrival rate (a trace is time-scaled)."""
