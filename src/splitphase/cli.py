@@ -225,9 +225,9 @@ def _plan(args: argparse.Namespace) -> None:
 _WORKLOAD_HELP = (
     "a preset (chat, rag, code, summarization); poisson:RATE or gamma:RATE:CV (bursty), each "
     "with options ,prompt=DIST ,output=DIST ,lengths=trace:PATH where DIST is fixed:N, "
-    "uniform:LO:HI, lognormal:MEDIAN:SIGMA or trace:PATH; or trace:PATH, a JSONL trace "
-    "(Mooncake: timestamp ms, input_length, output_length, hash_ids) replayed with its "
-    "arrival pattern. --rate sets the mean rate of all of them"
+    "uniform:LO:HI, lognormal:MEDIAN:SIGMA or trace:PATH; or trace:PATH[,start=N], a JSONL "
+    "trace (Mooncake: timestamp ms, input_length, output_length, hash_ids) replayed with its "
+    "arrival pattern from its N-th request (from 0). --rate sets the mean rate of all of them"
 )
 
 
