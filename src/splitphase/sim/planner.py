@@ -216,10 +216,10 @@ def run_at(inp: PlanInputs, cluster: ClusterConfig, rate_per_s: float, num_reque
            ) -> tuple[SimResult, list[SimRequest]]:
     """Simulate `cluster` on the workload at `rate_per_s`: `num_requests` measured, after
     `warmup_fraction` as many more that only warm it."""
-    warmup = math.ceil(num_requests * inp.warmup_fraction)
-    reqs = inp.workload.with_rate(rate_per_s).generate(warmup + num_requests, inp.seed,
-                                                       _max_len(inp))
-    if len(reqs) < warmup + num_requests:  # a trace ran out: the same share of it warms
+    asked = inp.requests_with_warmup(num_requests)
+    reqs = inp.workload.with_rate(rate_per_s).generate(asked, inp.seed, _max_len(inp))
+    warmup = asked - num_requests
+    if len(reqs) < asked:  # a trace ran out: the same share of it warms
         warmup = math.floor(len(reqs) * inp.warmup_fraction / (1 + inp.warmup_fraction))
     return simulate(cluster, inp.model, inp.hardware, reqs, kv_dtype_bytes=inp.kv_dtype_bytes,
                     warmup_requests=warmup, **inp.weight_kwargs()), reqs
